@@ -1,0 +1,277 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a paged KV pool.
+
+The KV pool is one tensor, block-major: [num_blocks, num_layers, 2 (K, V), block_size, kv_heads,
+head_dim]. One block therefore holds every layer's K and V for its tokens in one contiguous range,
+which is what the transfer layer moves. A forward pass takes a flat batch of tokens (prefill chunks
+first, then one token per decoding sequence), writes their K/V into the pool at `slot_mapping`, and
+attends over each sequence's blocks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvhandoff.config import ModelConfig
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence's prefill chunk inside the flat batch."""
+    start: int                  # first row of this chunk in the flat batch
+    end: int                    # one past the last row
+    context_len: int            # tokens in the sequence once this chunk is written (cached + chunk)
+    block_table: torch.Tensor   # [num_blocks] block ids covering context_len
+
+
+@dataclass
+class BatchMetadata:
+    slot_block: torch.Tensor            # [T] block id for each new token
+    slot_offset: torch.Tensor           # [T] offset inside that block
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None   # [B, max_blocks], padded
+    decode_context_lens: torch.Tensor | None = None   # [B]
+    decode_mask: torch.Tensor | None = None           # [B, 1, 1, max_blocks*block_size] bool, True = attend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, as the reference implementations do, then cast back.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv_freq.float()
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE (the Hugging Face layout; GGUF loaders undo llama.cpp's permutation)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, positions, meta: BatchMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
+        k_cache[meta.slot_block, meta.slot_offset] = k
+        v_cache[meta.slot_block, meta.slot_offset] = v
+        out = torch.empty_like(q)
+        for seq in meta.prefills:
+            out[seq.start:seq.end] = self._prefill(q[seq.start:seq.end], k[seq.start:seq.end],
+                                                   v[seq.start:seq.end], seq, k_cache, v_cache)
+        if meta.decode_block_tables is not None:
+            P = meta.num_prefill_tokens
+            out[P:] = self._decode(q[P:], meta, k_cache, v_cache)
+        return self.o_proj(out.view(T, self.q_size))
+
+    def _prefill(self, q, k, v, seq: PrefillSeq, k_cache, v_cache) -> torch.Tensor:
+        n = q.shape[0]
+        if seq.context_len == n:
+            # Nothing cached before this chunk: attend over the fresh K/V, plain causal.
+            keys, values, mask, causal = k, v, None, True
+        else:
+            # Part of the prompt is already in the pool (earlier chunk or prefix-cache hit).
+            keys = k_cache[seq.block_table].flatten(0, 1)[:seq.context_len]
+            values = v_cache[seq.block_table].flatten(0, 1)[:seq.context_len]
+            query_pos = torch.arange(seq.context_len - n, seq.context_len).unsqueeze(1)
+            mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
+            causal = False
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode(self, q, meta: BatchMetadata, k_cache, v_cache) -> torch.Tensor:
+        B = q.shape[0]
+        keys = k_cache[meta.decode_block_tables].flatten(1, 2)      # [B, S, kv_heads, D]
+        values = v_cache[meta.decode_block_tables].flatten(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=meta.decode_mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)       # [B, heads, 1, D]
+        return o.view(B, self.num_heads, self.head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face parameter names that we pack into one matrix: (packed name, slot index).
+_PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, input_ids, positions, meta: BatchMetadata, kv_cache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta, kv_cache)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in Hugging Face Llama/Qwen checkpoints, packing q/k/v and gate/up."""
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in tensors.items():
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue        # tied: the embedding serves as the head
+            parts = name.split(".")
+            proj = parts[-2] if len(parts) >= 2 else ""
+            if proj in _PACKED:
+                packed, index = _PACKED[proj]
+                target = ".".join(parts[:-2] + [packed, parts[-1]])
+                param = params[target]
+                sizes = self._packed_sizes(packed)
+                offset = sum(sizes[:index])
+                param.data[offset:offset + sizes[index]].copy_(tensor)
+                seen.add(f"{target}#{index}")
+            else:
+                if name not in params:
+                    raise KeyError(f"unexpected weight {name!r} in checkpoint")
+                params[name].data.copy_(tensor)
+                seen.add(name)
+        missing = [n for n in params if n not in seen and not any(s.startswith(n + "#") for s in seen)]
+        if missing:
+            raise KeyError(f"checkpoint lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+    def _packed_sizes(self, packed: str) -> list[int]:
+        cfg = self.cfg
+        if packed == "qkv_proj":
+            return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        return [cfg.intermediate_size, cfg.intermediate_size]
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The inverse of load_hf_state_dict: weights under Hugging Face names, q/k/v and gate/up split."""
+        out = {}
+        for name, param in self.named_parameters():
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj"):
+                packed = parts[-2]
+                names = ["q_proj", "k_proj", "v_proj"] if packed == "qkv_proj" else ["gate_proj", "up_proj"]
+                for sub, chunk in zip(names, param.data.split(self._packed_sizes(packed))):
+                    out["model." + ".".join(parts[:-2] + [sub, parts[-1]])] = chunk.clone()
+            elif name.startswith("lm_head"):
+                out[name] = param.data.clone()
+            else:
+                out["model." + name] = param.data.clone()
+        return out
+
+
+@torch.inference_mode()
+def prompt_logits(model: LlamaModel, token_ids: list[int], block_size: int = 32) -> torch.Tensor:
+    """Logits [T, vocab] for every position of one prompt, through the paged path in one prefill.
+
+    For parity tests and tools; serving goes through the engine's runner.
+    """
+    cfg, param = model.cfg, next(model.parameters())
+    T = len(token_ids)
+    num_blocks = (T + block_size - 1) // block_size
+    kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
+                           dtype=param.dtype, device=param.device)
+    slots = torch.arange(T, device=param.device)
+    meta = BatchMetadata(slot_block=slots // block_size, slot_offset=slots % block_size,
+                         prefills=[PrefillSeq(0, T, T, torch.arange(num_blocks, device=param.device))],
+                         num_prefill_tokens=T)
+    ids = torch.tensor(token_ids, device=param.device)
+    return model.logits(model(ids, slots, meta, kv_cache))
