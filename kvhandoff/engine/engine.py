@@ -1,0 +1,213 @@
+"""LLMEngine: requests in, tokens and text out, one scheduling step at a time (no threads here).
+
+It wires the loaded model, the block pool, the scheduler, the runner and the sampler together,
+applies stop conditions and turns tokens into text incrementally. The thread that drives `step()`
+for a server lives in kvhandoff.engine.loop.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvhandoff.config import EngineConfig
+from kvhandoff.engine.block_pool import BlockPool
+from kvhandoff.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
+from kvhandoff.engine.runner import ModelRunner, kv_block_bytes
+from kvhandoff.engine.sampler import Sampler
+from kvhandoff.engine.scheduler import ScheduledChunk, Scheduler
+from kvhandoff.model.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: PyTorch's bf16 matmuls then beat fp32 several times over on this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if cfg.device == "auto" else cfg.device))
+    if cfg.dtype != "auto":
+        return device, getattr(torch, cfg.dtype)
+    # Measured by kvhandoff.bench.engine: on CPUs with bf16 instructions bf16 is the faster choice;
+    # elsewhere fp32 (bf16 would be emulated and slow).
+    fast_bf16 = device.type == "cuda" or cpu_has_fast_bf16()
+    return device, torch.bfloat16 if fast_bf16 else torch.float32
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        self.device, self.dtype = pick_device_dtype(cfg)
+        model_len = cfg.max_model_len or None
+        self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, max_positions=model_len)
+        self.tokenizer = self.loaded.tokenizer
+        self.served_name = self.loaded.served_name
+        self.model_config = self.loaded.config
+        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        self.block_size = cfg.block_size
+        self.block_bytes = kv_block_bytes(self.model_config, cfg.block_size, self.dtype)
+        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // self.block_bytes)
+        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.pool)
+        self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size)
+        self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
+        self.sampler = Sampler(self.eos_token_ids, cfg.seed)
+        self.requests: dict[str, Request] = {}
+        log.info("engine ready: model=%s device=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV)",
+                 self.served_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
+                 cfg.block_size, num_blocks * self.block_bytes / 2**20)
+
+    # ---- pool facts -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    # ---- requests ---------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, with what to fix, for a request this engine can never serve."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request needs "
+                f"{total} ({len(prompt_token_ids)} prompt + {params.max_tokens} max_tokens); shorten the "
+                f"prompt or lower max_tokens")
+        if self.scheduler.blocks_for(total) > self.pool.num_blocks:
+            raise ValueError(f"the request needs {self.scheduler.blocks_for(total)} KV blocks but the pool has "
+                             f"{self.pool.num_blocks}; shorten the prompt or lower max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival: float | None = None) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params)
+        if arrival is not None:
+            request.timings.arrival = arrival
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return self._finish(request, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        now = time.monotonic()
+        for chunk in chunks:
+            if chunk.request.timings.first_scheduled is None:
+                chunk.request.timings.first_scheduled = now
+        try:
+            logits = self.runner.run(chunks)
+        except Exception as exc:       # a failed forward must not take the server down or leak blocks
+            log.exception("forward pass failed")
+            return [self._finish(c.request, FinishReason.ERROR, f"forward pass failed: {exc}") for c in chunks]
+        sampling = [c.request for c in chunks if c.completes]
+        token_ids = self.sampler.sample(logits, sampling) if sampling else []
+        self.scheduler.after_step(chunks)
+        now = time.monotonic()
+        return [self._append_token(request, token, now) for request, token in zip(sampling, token_ids)]
+
+    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+        if request.timings.first_token is None:
+            request.timings.first_token = now
+        request.output_token_ids.append(token)
+        params, n_out = request.params, len(request.output_token_ids)
+        reason = None
+        is_stop_token = token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        if is_stop_token and n_out >= params.min_tokens:
+            reason = FinishReason.STOP
+        elif n_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        new_text, stopped = self._detokenize(request, final=reason is not None)
+        if stopped:
+            reason = FinishReason.STOP
+        if reason is not None:
+            return self._finish(request, reason, new_token_ids=[token], new_text=new_text)
+        return RequestOutput(request.request_id, [token], new_text, False, None, request.num_prompt_tokens,
+                             n_out, request.num_cached_tokens)
+
+    def _detokenize(self, request: Request, final: bool) -> tuple[str, bool]:
+        """New text to emit, and whether a stop string was found (text is cut before it).
+
+        Text that could be the start of a stop string, or an incomplete UTF-8 character, is held
+        back until the next token settles it.
+        """
+        text = self.tokenizer.decode(request.output_token_ids)
+        stops = request.params.stop
+        if stops:
+            search_from = max(0, request.emitted_chars - max(map(len, stops)) + 1)
+            hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+            if hits:
+                cut = min(hits)
+                new = text[request.emitted_chars:cut]
+                request.output_text, request.emitted_chars = text[:cut], cut
+                return new, True
+        safe = len(text)
+        if not final:
+            if text.endswith("\ufffd"):
+                safe = len(text.rstrip("\ufffd"))
+            if stops:
+                safe = min(safe, len(text) - max(map(len, stops)) + 1)
+        safe = max(safe, request.emitted_chars)
+        new = text[request.emitted_chars:safe]
+        request.output_text, request.emitted_chars = text, safe
+        return new, False
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
+                new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
+        self.scheduler.finish(request, reason)
+        self.sampler.forget(request.request_id)
+        self.requests.pop(request.request_id, None)
+        request.timings.finished = time.monotonic()
+        return RequestOutput(request.request_id, new_token_ids or [], new_text, True, reason.value,
+                             request.num_prompt_tokens, len(request.output_token_ids),
+                             request.num_cached_tokens, request.timings.as_ms(), error)
+
+    # ---- offline use --------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion (all admitted at once); return each one's output token ids."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(request_id, prompt, p)
+        outputs: dict[str, list[int]] = {i: [] for i in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                outputs[out.request_id] += out.new_token_ids
+                if out.finished:
+                    if out.finish_reason == FinishReason.ERROR.value:
+                        raise RuntimeError(out.error)
+                    pending.discard(out.request_id)
+        return [outputs[i] for i in ids]

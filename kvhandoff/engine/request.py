@@ -1,0 +1,119 @@
+"""A generation request as the engine sees it: its tokens, sampling parameters, state and timestamps."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+
+class RequestState(Enum):
+    WAITING = auto()            # queued for prefill here
+    WAITING_FOR_KV = auto()     # its KV will arrive from another worker; not schedulable until then
+    RUNNING = auto()            # holds blocks; prefilling (chunk by chunk) or decoding
+    FINISHED = auto()
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"               # eos, stop token or stop string
+    LENGTH = "length"           # max_tokens or the context limit
+    ABORT = "abort"             # cancelled (client gone, shutdown)
+    ERROR = "error"             # the engine could not complete it
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0            # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError with a message that tells the caller what to fix."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens, got {self.min_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Timings:
+    arrival: float = 0.0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def as_ms(self) -> dict[str, float]:
+        def ms(a, b):
+            return round((b - a) * 1000, 3) if a is not None and b is not None else None
+        return {
+            "queue_ms": ms(self.arrival, self.first_scheduled),
+            "prefill_ms": ms(self.first_scheduled, self.first_token),
+            "ttft_ms": ms(self.arrival, self.first_token),
+            "decode_ms": ms(self.first_token, self.finished),
+            "total_ms": ms(self.arrival, self.finished),
+        }
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    state: RequestState = RequestState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0        # tokens whose K/V are in this request's blocks
+    num_cached_tokens: int = 0          # of those, how many came from the prefix cache
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)    # chain hashes of full computed blocks
+    finish_reason: FinishReason | None = None
+    timings: Timings = field(default_factory=lambda: Timings(arrival=time.monotonic()))
+    # Detokenization state (see engine.detokenize): text already emitted, and held back text.
+    output_text: str = ""
+    emitted_chars: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (streamed to the caller)."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    timings: dict | None = None         # set on the final output (Timings.as_ms)
+    error: str | None = None            # set when finish_reason is "error"

@@ -1,0 +1,69 @@
+"""The model runner: owns the KV pool tensor, turns scheduled chunks into one flat batch, runs it.
+
+Rows are laid out prefill chunks first, then one row per single-token chunk (decode), because the
+model attends to the two kinds differently (see kvhandoff.model.llama).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvhandoff.config import ModelConfig
+from kvhandoff.engine.scheduler import ScheduledChunk
+from kvhandoff.model.llama import BatchMetadata, LlamaModel, PrefillSeq
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return block_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        self.model, self.cfg, self.block_size = model, model.cfg, block_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        cfg = self.cfg
+        # Block-major: a block's K and V for all layers are one contiguous range (one transfer descriptor).
+        self.kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run one step. Returns logits [n, vocab] for the chunks that complete their request
+        (those sample a token), in the order they appear in `chunks`."""
+        prefills = [c for c in chunks if c.num_new_tokens > 1]
+        decodes = [c for c in chunks if c.num_new_tokens == 1]
+        bs = self.block_size
+        token_ids, positions, slot_block, seqs, last_row = [], [], [], [], {}
+        for chunk in prefills + decodes:
+            request, start = chunk.request, chunk.request.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            row = len(token_ids)
+            token_ids += request.all_token_ids[start:end]
+            positions += range(start, end)
+            slot_block += (request.block_table[p // bs] for p in range(start, end))
+            if chunk.num_new_tokens > 1:
+                table = torch.tensor(request.block_table[:-(-end // bs)], dtype=torch.long, device=self.device)
+                seqs.append(PrefillSeq(row, row + chunk.num_new_tokens, end, table))
+            last_row[id(chunk)] = len(token_ids) - 1
+        pos = torch.tensor(positions, dtype=torch.long)
+        meta = BatchMetadata(slot_block=torch.tensor(slot_block, dtype=torch.long, device=self.device),
+                             slot_offset=(pos % bs).to(self.device), prefills=seqs,
+                             num_prefill_tokens=sum(c.num_new_tokens for c in prefills))
+        if decodes:
+            self._decode_metadata(meta, decodes)
+        hidden = self.model(torch.tensor(token_ids, device=self.device), pos.to(self.device), meta, self.kv_cache)
+        rows = [last_row[id(c)] for c in chunks if c.completes]
+        return self.model.logits(hidden[rows])
+
+    def _decode_metadata(self, meta: BatchMetadata, decodes: list[ScheduledChunk]) -> None:
+        context_lens = [c.request.num_computed_tokens + 1 for c in decodes]
+        max_blocks = -(-max(context_lens) // self.block_size)
+        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for i, chunk in enumerate(decodes):
+            table = chunk.request.block_table[:max_blocks]
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+        lens = torch.tensor(context_lens, dtype=torch.long)
+        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
+        meta.decode_block_tables = tables.to(self.device)
+        meta.decode_context_lens = lens.to(self.device)
+        meta.decode_mask = mask[:, None, None, :].to(self.device)

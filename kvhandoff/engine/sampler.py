@@ -1,0 +1,58 @@
+"""Token sampling from logits: greedy, temperature, top-k, top-p, per-request seeds, min_tokens."""
+from __future__ import annotations
+
+import torch
+
+from kvhandoff.engine.request import Request
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], seed: int = 0):
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator().manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """One token per row of `logits` [N, vocab] (float32, on CPU)."""
+        logits = logits.float().cpu()
+        for row, request in enumerate(requests):
+            self._mask_early_stop(logits[row], request)
+        if all(r.params.greedy for r in requests):
+            return logits.argmax(dim=-1).tolist()
+        return [self._sample_row(logits[row], request) for row, request in enumerate(requests)]
+
+    def _mask_early_stop(self, row: torch.Tensor, request: Request) -> None:
+        # Before min_tokens, stop tokens must not be produced at all (not merely ignored).
+        params = request.params
+        if len(request.output_token_ids) < params.min_tokens:
+            banned = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+            if banned:
+                row[banned] = float("-inf")
+
+    def _sample_row(self, row: torch.Tensor, request: Request) -> int:
+        params = request.params
+        if params.greedy:
+            return int(row.argmax())
+        row = row / params.temperature
+        if params.top_k > 0 and params.top_k < row.numel():
+            kth = torch.topk(row, params.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep the smallest set whose mass reaches top_p (the first token always stays).
+            drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+            sorted_probs[drop] = 0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self._generator(request)))
+
+    def _generator(self, request: Request) -> torch.Generator:
+        if request.params.seed is None:
+            return self.generator
+        gen = self.request_generators.get(request.request_id)
+        if gen is None:
+            gen = self.request_generators[request.request_id] = torch.Generator().manual_seed(request.params.seed)
+        return gen
+
+    def forget(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
