@@ -12,6 +12,7 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """One token per row of `logits` [N, vocab] (float32, on CPU)."""
         logits = logits.float().cpu()

@@ -1,0 +1,182 @@
+"""Engine correctness on the seeded tiny model: batching, chunking, prefix caching and preemption
+never change greedy tokens; sampling options do what they say; every block returns to the pool."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvhandoff.config import EngineConfig
+from kvhandoff.engine.engine import LLMEngine
+from kvhandoff.engine.loop import EngineLoop
+from kvhandoff.engine.request import SamplingParams
+from kvhandoff.model.llama import prompt_logits
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PROMPT_LENS = [5, 40, 64, 100, 33, 200, 7, 300]
+
+
+def make_engine(**overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(model="tiny", dtype="float32", **overrides))
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return make_engine()
+
+
+@pytest.fixture(scope="module")
+def prompts(engine) -> list[list[int]]:
+    special = set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids)
+    vocab = [t for t in range(engine.model_config.vocab_size) if t not in special]
+    g = torch.Generator().manual_seed(1)
+    return [[vocab[i] for i in torch.randint(0, len(vocab), (n,), generator=g).tolist()] for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(engine, prompts) -> list[list[int]]:
+    """Greedy continuation recomputed from scratch each token (no paging across steps, no batching)."""
+    outs = []
+    for prompt in prompts:
+        tokens = list(prompt)
+        for _ in range(GREEDY.max_tokens):
+            tokens.append(int(prompt_logits(engine.loaded.model, tokens)[-1].argmax()))
+        outs.append(tokens[len(prompt):])
+    return outs
+
+
+def test_reference_is_not_trivial(reference):
+    # A model that repeats one token would make every equality below pass vacuously.
+    assert all(len(set(out)) > 5 for out in reference)
+    assert len({tuple(out) for out in reference}) == len(reference)
+
+
+def test_each_alone_matches_reference(engine, prompts, reference):
+    assert [engine.generate([p], GREEDY)[0] for p in prompts] == reference
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_batched_equals_alone(prompts, reference):
+    engine = make_engine(enable_prefix_caching=False)
+    assert engine.generate(prompts, GREEDY) == reference
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize("budget", [16, 48, 97])
+def test_chunked_prefill_equals_one_shot(prompts, reference, budget):
+    engine = make_engine(enable_prefix_caching=False, max_num_batched_tokens=budget)
+    assert engine.generate(prompts, GREEDY) == reference
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_prefix_cache_hits_equal_misses(prompts, reference):
+    engine = make_engine()
+    first = engine.generate(prompts, GREEDY)
+    hits_before = engine.pool.hits
+    # Same prompts again, plus extensions of them that share the cached prefix.
+    second = engine.generate(prompts, GREEDY)
+    assert engine.pool.hits > hits_before
+    assert first == second == reference
+    extended = [p + r[:10] for p, r in zip(prompts, reference)]
+    fresh = make_engine(enable_prefix_caching=False).generate(extended, GREEDY)
+    assert engine.generate(extended, GREEDY) == fresh
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_preemption_recomputes_identically(prompts, reference):
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    some = prompts[1:5]
+    expected = make_engine().generate(some, params)
+    engine = make_engine(num_blocks=12, max_num_batched_tokens=64)
+    assert engine.generate(some, params) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_seeded_sampling_is_reproducible(engine, prompts):
+    params = SamplingParams(max_tokens=32, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a = engine.generate(prompts[:3], params)
+    b = engine.generate(prompts[:3], params)
+    c = engine.generate(prompts[:3], SamplingParams(max_tokens=32, temperature=1.0, seed=8, ignore_eos=True))
+    assert a == b
+    assert a != c
+
+
+def test_top_k_one_is_greedy(engine, prompts, reference):
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_k=1, seed=3, ignore_eos=True)
+    assert engine.generate(prompts[:2], params) == reference[:2]
+
+
+def test_eos_min_tokens_and_ignore_eos(engine, prompts, reference):
+    eos = engine.eos_token_ids[0]
+    # Make one of the reference's tokens a stop token: generation ends where it first appears...
+    stop_token = reference[0][4]
+    first = reference[0].index(stop_token)
+    stop_at = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_token])
+    assert engine.generate([prompts[0]], stop_at)[0] == reference[0][:first + 1]
+    # ...unless min_tokens forbids stopping that early.
+    held = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_token], min_tokens=10)
+    out = engine.generate([prompts[0]], held)[0]
+    assert len(out) >= 10 and stop_token not in out[:10]
+    assert eos not in engine.generate([prompts[0]], SamplingParams(max_tokens=40, temperature=0, min_tokens=40))[0]
+
+
+def test_stop_string_cuts_text(engine):
+    text_prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    free_run = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    req_text = engine.tokenizer.decode(engine.generate([text_prompt], free_run)[0])
+    assert len(req_text) > 6
+    stop = req_text[3:6]
+    engine.add_request("stop-test", text_prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))
+    pieces, finish = [], None
+    while finish is None:
+        for out in engine.step():
+            pieces.append(out.new_text)
+            finish = out.finish_reason if out.finished else None
+    text = "".join(pieces)
+    assert finish == "stop"
+    assert stop not in text and req_text.startswith(text) and len(text) == req_text.find(stop)
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_invalid_requests_are_refused(engine, prompts):
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.validate(prompts[0], SamplingParams(max_tokens=engine.max_model_len))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.validate(prompts[0], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="empty"):
+        engine.validate([], SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.validate([engine.model_config.vocab_size], SamplingParams())
+
+
+def test_loop_streams_and_abort_frees_blocks(engine, prompts, reference):
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        done = {i: threading.Event() for i in range(3)}
+        tokens = {i: [] for i in range(3)}
+        finish = {}
+
+        def collector(i):
+            def on_output(out):
+                tokens[i] += out.new_token_ids
+                if out.finished:
+                    finish[i] = out
+                    done[i].set()
+            return on_output
+
+        long = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+        loop.submit("r0", prompts[0], GREEDY, collector(0))
+        loop.submit("r1", prompts[1], long, collector(1))
+        loop.submit("r2", prompts[2], GREEDY, collector(2))
+        assert done[0].wait(60) and done[2].wait(60)
+        loop.abort("r1")
+        assert done[1].wait(60)
+        assert tokens[0] == reference[0] and tokens[2] == reference[2]
+        assert finish[1].finish_reason == "abort" and 0 < len(tokens[1]) < 2000
+        assert finish[0].timings["ttft_ms"] > 0 and finish[0].timings["decode_ms"] >= 0
+    finally:
+        loop.stop()
+    assert engine.num_free_blocks == engine.num_blocks
