@@ -1,0 +1,124 @@
+"""The `kvhandoff` command: one subcommand per role (serve now; router, up, bench, demo later).
+
+Each subcommand is a `cmd_*` function registered in `build_parser`; heavy imports (torch, the engine,
+uvicorn) happen inside them so `kvhandoff --help` stays instant. Listeners bind loopback unless told
+otherwise: a server that runs arbitrary prompts should not be reachable from the network by accident.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+
+from kvhandoff.config import EngineConfig
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine knobs, shared by every subcommand that runs an engine; defaults come from EngineConfig."""
+    d = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=d["model"],
+                   help="'smollm2', 'tiny' (random, for tests), or a path to an HF folder or .gguf file "
+                        "(default: %(default)s)")
+    g.add_argument("--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype; auto picks per device (default: %(default)s)")
+    g.add_argument("--device", default=d["device"], choices=["auto", "cpu", "cuda"], help="(default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--num-blocks", type=int, default=d["num_blocks"],
+                   help="KV blocks in the pool; 0 sizes the pool from --kv-cache-mb (default: %(default)s)")
+    g.add_argument("--kv-cache-mb", type=int, default=d["kv_cache_bytes"] // 2**20,
+                   help="KV pool size in MiB when --num-blocks is 0 (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
+                   help="sequences running per step (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
+                   help="tokens per step; longer prompts are prefilled in chunks (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=d["max_model_len"],
+                   help="context limit; 0 uses the model's (default: %(default)s)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--threads", type=int, default=d["threads"],
+                   help="torch intra-op threads; 0 leaves torch's default (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d["seed"], help="(default: %(default)s)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, threads=args.threads, seed=args.seed)
+
+
+def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
+    g = p.add_argument_group("http")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; loopback by default, pass 0.0.0.0 to expose it (default: %(default)s)")
+    g.add_argument("--port", type=int, default=port, help="0 picks a free port (default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """One colocated instance: engine + OpenAI-compatible HTTP server."""
+    setup_logging(args.log_level)
+    log = logging.getLogger("kvhandoff.cli")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the server is reachable from other machines and has no authentication",
+                    args.host)
+    from kvhandoff.engine.engine import LLMEngine
+    from kvhandoff.engine.loop import EngineLoop
+    from kvhandoff.serve.server import EngineInfo, build_app, serve_forever
+
+    engine = LLMEngine(engine_config(args))
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model))
+
+        def ready(url: str) -> None:
+            print(f"kvhandoff: serving '{engine.served_name}' at {url}/v1 "
+                  f"(health {url}/health, metrics {url}/metrics)", flush=True)
+        serve_forever(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        loop.stop()
+        log.info("engine stopped")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvhandoff", description="Disaggregated LLM serving with KV handoff.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run one colocated instance behind an OpenAI-compatible API",
+                       description=cmd_serve.__doc__)
+    add_engine_args(p)
+    add_http_args(p, port=8000)
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def _exit_on_sigterm(signum, frame):
+    # uvicorn handles SIGTERM while serving and re-raises it after its graceful shutdown; turning it
+    # into SystemExit here lets `finally` blocks (engine loop stop) run and the exit status be 0.
+    sys.exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""The OpenAI-compatible HTTP server for one colocated instance.
+
+The engine runs in its own thread (EngineLoop) and reports each request's progress through a callback
+on that thread. `RequestStream` carries those outputs into the asyncio world: the callback only
+schedules `queue.put_nowait` on the event loop with call_soon_threadsafe, so the engine never waits
+on HTTP. Whoever stops listening before the final output (client gone, handler cancelled) calls
+`RequestStream.close()`, which aborts the request in the engine and so frees its KV blocks.
+
+Every error reaches the client as OpenAI's `{"error": {message, type, param, code}}`; client mistakes
+are 400/404 with a message that says what to fix, and unexpected exceptions are a generic 500 whose
+traceback goes to the server log only.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvhandoff.engine.request import RequestOutput, SamplingParams
+from kvhandoff.serve import protocol as P
+from kvhandoff.serve.metrics import CONTENT_TYPE, Metrics
+
+if TYPE_CHECKING:
+    from kvhandoff.engine.loop import EngineLoop
+
+log = logging.getLogger("kvhandoff.serve")
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@dataclass
+class EngineInfo:
+    """What the HTTP layer needs to know about the engine besides its loop."""
+    served_name: str
+    max_model_len: int
+    tokenizer: Any                              # encode, decode, apply_chat_template
+    pool_tokens: int | None = None              # KV pool capacity: caps the default max_tokens
+    aliases: set[str] = field(default_factory=set)   # other names a request may use for the model
+
+    @classmethod
+    def from_engine(cls, engine, alias: str | None = None) -> "EngineInfo":
+        return cls(served_name=engine.served_name, max_model_len=engine.max_model_len, tokenizer=engine.tokenizer,
+                   pool_tokens=engine.num_blocks * engine.block_size,
+                   aliases={alias} if alias else set())
+
+
+class RequestStream:
+    """One request's outputs, carried from the engine thread into asyncio; aborts on early close."""
+
+    def __init__(self, loop: "EngineLoop", request_id: str, on_finished: Callable[[RequestOutput], None]):
+        self.loop, self.request_id, self._on_finished = loop, request_id, on_finished
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.aio = asyncio.get_running_loop()
+        self.done = False          # final output consumed by us
+        self.closed = False
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> "RequestStream":
+        try:
+            self.loop.submit(self.request_id, prompt_ids, params, self._on_output)
+        except ValueError as e:       # the engine's message is written for the client
+            raise P.APIError(400, str(e)) from None
+        except RuntimeError as e:     # the engine loop is stopping
+            raise P.APIError(503, str(e), type="service_unavailable") from None
+        return self
+
+    def _on_output(self, out: RequestOutput) -> None:
+        # Engine thread. Metrics here, so requests nobody listens to any more (aborted) still count.
+        if out.finished:
+            self._on_finished(out)
+        try:
+            self.aio.call_soon_threadsafe(self.queue.put_nowait, out)
+        except RuntimeError:          # event loop closed: the server is shutting down
+            pass
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.done:
+            out = await self.queue.get()
+            self.done = out.finished
+            yield out
+
+    def close(self) -> None:
+        """Abort the request in the engine unless it finished; idempotent."""
+        if not self.done and not self.closed:
+            self.loop.abort(self.request_id)
+        self.closed = True
+
+
+class Server:
+    """Request handling behind the routes: validation, tokenization, engine I/O, response shapes."""
+
+    def __init__(self, loop: "EngineLoop", info: EngineInfo):
+        self.loop, self.info = loop, info
+        self.metrics = Metrics()
+        self.active: dict[str, RequestStream] = {}
+
+    # -- validation ---------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        # A missing model is accepted (curl convenience); a wrong one is an error, as with OpenAI.
+        if model and model != self.info.served_name and model not in self.info.aliases:
+            raise P.APIError(404, f"model '{model}' not found; this server serves '{self.info.served_name}'",
+                             param="model", code="model_not_found")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_field: str,
+                     max_field: str = "max_tokens") -> int:
+        """Return max_tokens (defaulting to the rest of the context) once prompt + max_tokens fit."""
+        limit = self.info.max_model_len
+        if num_prompt >= limit:
+            raise P.APIError(400, f"the prompt is {num_prompt} tokens but this model's context length is "
+                             f"{limit} tokens (prompt plus at least one generated token); shorten the prompt",
+                             param=prompt_field, code="context_length_exceeded")
+        if max_tokens is None:     # chat's default: as much as the context (and the KV pool) allows
+            return max(1, min(limit, self.info.pool_tokens or limit) - num_prompt)
+        if max_tokens < 1:
+            raise P.APIError(400, f"{max_field} must be at least 1, got {max_tokens}", param=max_field)
+        if num_prompt + max_tokens > limit:
+            raise P.APIError(400, f"the prompt ({num_prompt} tokens) plus {max_field} ({max_tokens}) is "
+                             f"{num_prompt + max_tokens} tokens, over this model's context length of {limit}; "
+                             f"set {max_field} to at most {limit - num_prompt} or shorten the prompt",
+                             param=max_field, code="context_length_exceeded")
+        return max_tokens
+
+    def completion_prompt(self, req: P.CompletionRequest) -> list[int]:
+        # Token ids are range-checked by the engine (EngineLoop.submit raises ValueError -> 400).
+        ids = self.info.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        if not ids:
+            raise P.APIError(400, "prompt is empty after tokenization", param="prompt")
+        return ids
+
+    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+        try:
+            text = self.info.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+        except ValueError as e:
+            raise P.APIError(400, f"cannot build a chat prompt: {e}; use /v1/completions with a plain prompt",
+                             param="messages") from None
+        ids = self.info.tokenizer.encode(text)
+        if not ids:
+            raise P.APIError(400, "the chat prompt is empty", param="messages")
+        return ids
+
+    # -- engine I/O ---------------------------------------------------------------------------------
+    def open_stream(self, endpoint: str, rid: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        def on_finished(out: RequestOutput) -> None:
+            self.metrics.finished(endpoint, out)
+        stream = RequestStream(self.loop, rid, on_finished).submit(prompt_ids, params)
+        self.active[rid] = stream
+        return stream
+
+    def release(self, stream: RequestStream) -> None:
+        stream.close()
+        self.active.pop(stream.request_id, None)
+
+    def abort_all(self) -> None:
+        """Shutdown: end every in-flight generation so connections drain quickly."""
+        for stream in list(self.active.values()):
+            stream.close()
+
+    async def collect(self, stream: RequestStream, request: Request) -> tuple[str, RequestOutput] | None:
+        """Run a non-streaming request to the end; None if the client disconnected first (aborted)."""
+        async def drain() -> tuple[str, RequestOutput]:
+            pieces = []
+            async for out in stream:
+                pieces.append(out.new_text)
+            return "".join(pieces), out
+
+        task = asyncio.ensure_future(drain())
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:                       # also on cancellation of this handler
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+            self.release(stream)
+        return task.result() if task.done() and not task.cancelled() else None
+
+    async def sse(self, stream: RequestStream, first: list[dict], chunk: Callable[[RequestOutput], dict],
+                  usage_chunk: dict | None) -> AsyncIterator[str]:
+        """SSE body: `first` chunks, one chunk per engine output with text, the final chunk (with
+        `timings`), then the usage chunk when asked for, then [DONE]. Closing early aborts."""
+        try:
+            for c in first:
+                yield sse_event(c)
+            async for out in stream:
+                if out.finished and out.finish_reason == "error":
+                    yield sse_event(P.error_body(f"generation failed: {out.error}", "server_error"))
+                    break
+                if not out.finished and not out.new_text:
+                    continue           # detokenizer held text back (partial UTF-8 or stop-string prefix)
+                c = chunk(out)
+                if out.finished:
+                    c["timings"] = out.timings
+                yield sse_event(c)
+                if out.finished and usage_chunk is not None:
+                    usage_chunk.update(usage=P.usage(out.num_prompt_tokens, out.num_output_tokens,
+                                                     out.num_cached_tokens), timings=out.timings)
+                    yield sse_event(usage_chunk)
+            yield "data: [DONE]\n\n"
+        finally:                       # client disconnect cancels us here: abort frees the blocks
+            self.release(stream)
+
+    # -- endpoints ----------------------------------------------------------------------------------
+    async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        req.check_supported()
+        prompt_ids = self.completion_prompt(req)
+        max_tokens = self.check_length(len(prompt_ids), req.max_tokens if req.max_tokens is not None else 16,
+                                       "prompt")
+        params = req.sampling_params(max_tokens)
+        rid, created, model = P.new_id("cmpl"), P.now(), self.info.served_name
+        stream = self.open_stream(COMPLETIONS, rid, prompt_ids, params)
+        if req.stream:
+            usage_chunk = ({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": []} if req.include_usage else None)
+            body = self.sse(stream, [], lambda o: P.completion_chunk(rid, created, model, o.new_text,
+                                                                     o.finish_reason if o.finished else None),
+                            usage_chunk)
+            return SSEResponse(body, on_close=lambda: self.release(stream))
+        result = await self.collect(stream, request)
+        if result is None:
+            return Response(status_code=499)   # nobody is listening; nginx's "client closed request"
+        text, final = result
+        return engine_failure(final) or JSONResponse(P.completion_response(
+            rid, created, model, text, final.finish_reason,
+            P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens), final.timings))
+
+    async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        req.check_supported()
+        prompt_ids = self.chat_prompt(req)
+        max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.check_length(len(prompt_ids), req.requested_max_tokens, "messages", max_field)
+        params = req.sampling_params(max_tokens)
+        rid, created, model = P.new_id("chatcmpl"), P.now(), self.info.served_name
+        stream = self.open_stream(CHAT, rid, prompt_ids, params)
+        if req.stream:
+            # OpenAI's first chunk announces the role; content follows in later deltas.
+            first = [P.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})]
+            usage_chunk = ({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": []} if req.include_usage else None)
+            body = self.sse(stream, first,
+                            lambda o: P.chat_chunk(rid, created, model, {"content": o.new_text} if o.new_text else {},
+                                                   o.finish_reason if o.finished else None),
+                            usage_chunk)
+            return SSEResponse(body, on_close=lambda: self.release(stream))
+        result = await self.collect(stream, request)
+        if result is None:
+            return Response(status_code=499)
+        text, final = result
+        return engine_failure(final) or JSONResponse(P.chat_response(
+            rid, created, model, text, final.finish_reason,
+            P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens), final.timings))
+
+
+def engine_failure(final: RequestOutput) -> JSONResponse | None:
+    """The error response for a request the engine ended without an answer (already counted in the
+    metrics under its finish reason, so not raised as an APIError, which would count it again)."""
+    if final.finish_reason == "error":
+        log.error("request %s failed in the engine: %s", final.request_id, final.error)
+        return JSONResponse(P.error_body(f"generation failed: {final.error}", "server_error"), status_code=500)
+    if final.finish_reason == "abort":
+        return JSONResponse(P.error_body("the request was aborted (the server is shutting down); retry",
+                                         "service_unavailable"), status_code=503)
+    return None
+
+
+async def wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is http.disconnect, whenever the client leaves.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse_event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that runs `on_close` however it ends. The body generator's own
+    `finally` is not enough: if the client leaves before the body starts, the generator never runs."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# App
+
+async def parse_body(request: Request, cls: type[BaseModel]) -> BaseModel:
+    """Parse and validate a JSON body ourselves rather than through FastAPI's body parameters: any
+    Content-Type is accepted (curl -d sends form-urlencoded) and every failure becomes one 400
+    whose message names the field."""
+    raw = await request.body()
+    if not raw.strip():
+        raise P.APIError(400, "the request body is empty; send a JSON object")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise P.APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise P.APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        message, param = validation_message(e.errors())
+        raise P.APIError(400, message, param=param) from None
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """Turn pydantic's errors into one sentence naming the field(s), and the first field as `param`."""
+    if errors and errors[0].get("type") == "json_invalid":
+        detail = (errors[0].get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    by_path: dict[str, list[str]] = {}
+    for err in errors:
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        by_path.setdefault(field_path(err.get("loc", ())), []).append(msg)
+    messages = []
+    for path, msgs in by_path.items():
+        # A union reports one error per member: "Input should be a valid string or a valid list".
+        msg = msgs[0] + "".join(" or " + m.removeprefix("Input should be ") for m in msgs[1:])
+        if not path:
+            msg = f"request body: {msg}"
+        elif not msg.startswith(path.split(".")[0].split("[")[0]):
+            msg = f"{path}: {msg}"
+        messages.append(msg)
+    return "; ".join(messages[:3]) or "invalid request", next(iter(by_path), None) or None
+
+
+def field_path(loc) -> str:
+    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content' (drops union-member tags)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none"):
+            continue                   # pydantic names the union member it tried; not a field
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def endpoint_label(request: Request) -> str:
+    path = request.url.path
+    return path if path in (COMPLETIONS, CHAT) else "other"
+
+
+def build_app(loop: "EngineLoop", engine_info: EngineInfo) -> FastAPI:
+    app = FastAPI(title="kvhandoff", version="0.1.0")
+    srv = Server(loop, engine_info)
+    app.state.server = srv
+
+    def error_response(request: Request, err: P.APIError) -> JSONResponse:
+        srv.metrics.rejected(endpoint_label(request), err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(P.APIError)
+    async def on_api_error(request: Request, exc: P.APIError):
+        if exc.status >= 500:
+            log.error("%s %s: %s", request.method, request.url.path, exc.message)
+        return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        # FastAPI answers 422 with its own shape; OpenAI clients expect 400 and {"error": ...}.
+        message, param = validation_message(exc.errors())
+        return error_response(request, P.APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, " \
+                      "/v1/chat/completions, /health, /metrics"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        err = P.APIError(exc.status_code, message)
+        srv.metrics.rejected(endpoint_label(request), exc.status_code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(request, P.APIError(500, "internal server error; see the server log"))
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request):
+        return await srv.completions(await parse_body(request, P.CompletionRequest), request)
+
+    @app.post(CHAT)
+    async def chat_completions(request: Request):
+        return await srv.chat(await parse_body(request, P.ChatCompletionRequest), request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(engine_info)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        srv.check_model(model_id)
+        return model_card(engine_info)
+
+    @app.get("/health")
+    async def health():
+        stats = loop.stats()
+        return {"status": "ok", "model": engine_info.served_name, **stats}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(srv.metrics.render(loop.stats()), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def model_card(info: EngineInfo) -> dict:
+    return {"id": info.served_name, "object": "model", "created": 0, "owned_by": "kvhandoff",
+            "max_model_len": info.max_model_len}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running
+
+def serve_forever(app: FastAPI, host: str, port: int, *, log_level: str = "info",
+                  on_ready: Callable[[str], None] | None = None) -> None:
+    """Run uvicorn in this thread until SIGINT/SIGTERM. On shutdown, in-flight generations are
+    aborted first so open streams end at once instead of holding shutdown hostage."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started and on_ready:
+                sock = self.servers[0].sockets[0].getsockname()
+                h = sock[0] if ":" not in sock[0] else f"[{sock[0]}]"
+                on_ready(f"http://{h}:{sock[1]}")   # the real port, also when asked for port 0
+
+        async def shutdown(self, sockets=None):
+            server = getattr(app.state, "server", None)
+            if server is not None:
+                server.abort_all()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            access_log=log_level == "debug")
+    _Server(config).run()

@@ -1,0 +1,74 @@
+"""Shared fixtures: real `kvhandoff serve` processes (subprocesses, stopped by PID at teardown)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+READY = re.compile(r"kvhandoff: serving '(?P<name>[^']+)' at (?P<url>http://\S+)/v1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: loads real model weights (seconds to minutes); runs in CI too")
+
+
+class ServerProcess:
+    """`kvhandoff serve ... --port 0` in a subprocess; `url` is read from its ready line."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 120.0):
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        cmd = [sys.executable, "-m", "kvhandoff.cli", "serve", "--port", "0", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self.url, self.served_name = self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> tuple[str, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            m = READY.search(self.log_path.read_text(errors="replace"))
+            if m and httpx.get(m["url"] + "/health", timeout=5).status_code == 200:
+                return m["url"], m["name"]
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+    """One `kvhandoff serve --model tiny` for the whole session (a small pool so leaks show)."""
+    server = ServerProcess(["--model", "tiny", "--num-blocks", "512"],
+                           tmp_path_factory.mktemp("tiny_server") / "server.log")
+    server.baseline = server.health()
+    yield server
+    server.stop()
