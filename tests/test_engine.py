@@ -180,3 +180,30 @@ def test_loop_streams_and_abort_frees_blocks(engine, prompts, reference):
     finally:
         loop.stop()
     assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_loop_failure_fails_requests_instead_of_hanging(prompts):
+    engine = make_engine(num_blocks=64)
+    loop = EngineLoop(engine)
+
+    def broken_step():
+        raise RuntimeError("scheduler bug")
+
+    engine.step = broken_step
+    finished = threading.Event()
+    result = {}
+
+    def on_output(out):
+        result["out"] = out
+        finished.set()
+
+    loop.start()
+    try:
+        loop.submit("doomed", prompts[0], GREEDY, on_output)
+        assert finished.wait(30)
+        assert result["out"].finish_reason == "error" and "scheduler bug" in result["out"].error
+        assert not loop.is_alive()
+        with pytest.raises(RuntimeError, match="scheduler bug"):
+            loop.submit("late", prompts[0], GREEDY, on_output)
+    finally:
+        loop.stop()

@@ -36,6 +36,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
+        self.fatal_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
 
@@ -54,8 +55,8 @@ class EngineLoop:
         """Queue a request. Raises ValueError (a message for the client) if it can never be served."""
         self.engine.validate(prompt_token_ids, params)     # reads only immutable engine facts
         with self._wake:
-            if self._stopping:
-                raise RuntimeError("the engine is shutting down")
+            if self._stopping or self.fatal_error:
+                raise RuntimeError(self.fatal_error or "the engine is shutting down")
             self._inbox.append(_Submit(request_id, list(prompt_token_ids), params, on_output, time.monotonic()))
             self._wake.notify()
 
@@ -72,7 +73,24 @@ class EngineLoop:
                 "prefix_cache_hits": engine.pool.hits, "prefix_cache_queries": engine.pool.queries}
 
     # ---- the thread ---------------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal_error is None
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:        # a bug in the engine: fail everyone loudly rather than hang them
+            log.exception("engine loop died")
+            with self._wake:
+                self.fatal_error = f"engine failure: {exc}"
+                inbox, self._inbox = self._inbox, []
+            pending = list(self._callbacks.items()) + [(i.request_id, i.on_output) for i in inbox
+                                                       if isinstance(i, _Submit)]
+            self._callbacks.clear()
+            for request_id, callback in pending:
+                callback(RequestOutput(request_id, [], "", True, "error", 0, 0, error=self.fatal_error))
+
+    def _serve(self) -> None:
         while True:
             with self._wake:
                 while not self._inbox and not self._stopping and not self.engine.has_work():

@@ -418,8 +418,11 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        stats = loop.stats()
-        return {"status": "ok", "model": engine_info.served_name, **stats}
+        stats = {"model": engine_info.served_name, **loop.stats()}
+        if not loop.is_alive():
+            return JSONResponse({"status": "error", "error": loop.fatal_error or "engine loop stopped", **stats},
+                                status_code=503)
+        return {"status": "ok", **stats}
 
     @app.get("/metrics")
     async def metrics():
