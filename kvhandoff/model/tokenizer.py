@@ -1,0 +1,135 @@
+"""Text <-> token ids for a model folder: the `tokenizers` library plus the folder's chat template.
+
+Reads the Hugging Face layout (tokenizer.json, tokenizer_config.json, optionally chat_template.jinja,
+config.json / generation_config.json for extra stop ids) so that prompts are tokenized and chats are
+rendered exactly as `transformers` would, without importing it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_str(value) -> str | None:
+    # tokenizer_config.json spells special tokens either as a string or as a serialized AddedToken.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes HTML characters; transformers overrides it with plain json.dumps.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template the way transformers does (sandboxed; trim/lstrip blocks; loop controls)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+@dataclass
+class Tokenizer:
+    tok: HFTokenizer
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    extra_eos_ids: list[int] = field(default_factory=list)   # from config.json / generation_config.json
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg = _read_json(path / "tokenizer_config.json")
+        # Tokens declared only in tokenizer_config.json (older checkpoints) must still be matched whole.
+        for spec in cfg.get("added_tokens_decoder", {}).values():
+            if tok.token_to_id(spec["content"]) is None:
+                added = AddedToken(spec["content"], special=spec.get("special", False),
+                                   normalized=spec.get("normalized", False),
+                                   lstrip=spec.get("lstrip", False), rstrip=spec.get("rstrip", False))
+                (tok.add_special_tokens if added.special else tok.add_tokens)([added])
+        template = cfg.get("chat_template")
+        if isinstance(template, list):      # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        # Models often stop on more than the tokenizer's eos (Llama 3: <|eot_id|>); the model config says which.
+        extra = _ids(_read_json(path / "config.json").get("eos_token_id"))
+        extra += _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
+        return cls(tok, template, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), extra)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tok.id_to_token(token_id)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template' "
+                             "and there is no chat_template.jinja); send a plain prompt instead of messages")
+        return compile_chat_template(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render a conversation to the prompt string (special tokens as text; encode it without adding more)."""
+        variables = {"tools": None, "documents": None, "bos_token": self.bos_token or "",
+                     "eos_token": self.eos_token or "", **kwargs}
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.tok.token_to_id(self.bos_token)
+
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        ids = [] if self.eos_token is None else [self.tok.token_to_id(self.eos_token)]
+        return list(dict.fromkeys(i for i in ids + self.extra_eos_ids if i is not None))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def all_special_ids(self) -> list[int]:
+        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        special |= {i for i in [self.bos_token_id, *self.eos_token_ids] if i is not None}
+        return sorted(special)
