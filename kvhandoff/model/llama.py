@@ -84,11 +84,14 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Plain attributes, not buffers: model.to(bfloat16) must not round the tables (positions
+        # beyond a few hundred would lose precision); they follow the positions' device on use.
+        self.cos, self.sin = freqs.cos(), freqs.sin()
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions`, shaped to broadcast over [T, heads, head_dim // 2]; once per step."""
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod

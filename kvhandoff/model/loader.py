@@ -160,9 +160,6 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
     with _no_init():
         model = LlamaModel(config, max_positions=max_positions)
     model.load_hf_state_dict(load_state_dict(path))
-    # Cast parameters only: the rotary cos/sin buffers stay float32 (a bf16 table loses position precision).
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
-    model.to(device).eval().requires_grad_(False)
+    model.to(device=device, dtype=dtype).eval().requires_grad_(False)     # rope tables stay fp32 (llama.Rotary)
     return LoadedModel(name=name, served_name=served_name_for(name), path=path, config=config, model=model,
                        tokenizer=tokenizer)
