@@ -93,6 +93,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    """Data-plane throughput and latency per backend, next to memcpy and a raw loopback sendmsg stream."""
+    import json
+
+    from kvhandoff.transfer.bench import BenchConfig, format_table, run
+
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    unknown = set(backends) - {"shm", "tcp", "nixl"}
+    if unknown:
+        raise SystemExit(f"unknown backend(s): {', '.join(sorted(unknown))} (choose from shm, tcp, nixl)")
+    report = run(BenchConfig(backends=backends, total_bytes=args.total_mb * 2**20, repeats=args.repeats,
+                             latency_iters=args.latency_iters, pin=args.pin))
+    print(format_table(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description="Disaggregated LLM serving with KV handoff.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -102,6 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench-transfer", help="measure the KV transfer backends (GB/s and 4 KiB latency)",
+                       description=cmd_bench_transfer.__doc__)
+    p.add_argument("--backends", default="shm,tcp,nixl",
+                   help="comma-separated; nixl is skipped with a note when not installed (default: %(default)s)")
+    p.add_argument("--total-mb", type=int, default=64,
+                   help="MiB per transfer, a multiple of 4 (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds after a warm-up (default: %(default)s)")
+    p.add_argument("--latency-iters", type=int, default=400,
+                   help="4 KiB operations timed per backend and op (default: %(default)s)")
+    p.add_argument("--pin", action="store_true", help="pin this process to core 0 and the target to core 1")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.set_defaults(func=cmd_bench_transfer)
     return parser
 
 

@@ -92,19 +92,22 @@ def plan(local: DescList, remote: DescList) -> Plan:
     blocks): both are first split at the union of their boundaries, so every segment lies inside one
     local and one remote descriptor, then neighbours that continue each other on both sides merge.
     """
+    if len(local) == len(remote) == 1 and local.length[0] == remote.length[0] > 0:
+        return Plan(local, remote)              # one 4 KiB op should not pay for the general case
     if local.nbytes != remote.nbytes:
         raise ValueError(f"local descriptors cover {local.nbytes} bytes, remote ones {remote.nbytes}")
     if (local.length <= 0).any() or (remote.length <= 0).any():
         raise OutOfBoundsError("descriptor lengths must be positive")
-    local_ends, remote_ends = np.cumsum(local.length), np.cumsum(remote.length)
-    if local_ends.size == remote_ends.size and np.array_equal(local_ends, remote_ends):
-        ends = local_ends                       # the common case: both sides name the same blocks
+    if len(local) == len(remote) and np.array_equal(local.length, remote.length):
+        lengths = local.length                  # the common case: both sides cut the bytes alike
+        l_region, l_offset, r_region, r_offset = local.region, local.offset, remote.region, remote.offset
     else:
+        local_ends, remote_ends = np.cumsum(local.length), np.cumsum(remote.length)
         ends = np.union1d(local_ends, remote_ends)
-    starts = np.concatenate(([0], ends[:-1]))
-    lengths = ends - starts
-    l_region, l_offset = _locate(local, local_ends, starts)
-    r_region, r_offset = _locate(remote, remote_ends, starts)
+        starts = np.concatenate(([0], ends[:-1]))
+        lengths = ends - starts
+        l_region, l_offset = _locate(local, local_ends, starts)
+        r_region, r_offset = _locate(remote, remote_ends, starts)
     continues = ((l_region[1:] == l_region[:-1]) & (l_offset[1:] == l_offset[:-1] + lengths[:-1])
                  & (r_region[1:] == r_region[:-1]) & (r_offset[1:] == r_offset[:-1] + lengths[:-1]))
     heads = np.flatnonzero(np.concatenate(([True], ~continues)))

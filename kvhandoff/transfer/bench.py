@@ -1,0 +1,250 @@
+"""`kvhandoff bench-transfer`: GB/s of READ and WRITE per backend and block size between two
+processes, next to a single-thread memcpy and a raw loopback sendmsg stream measured in the same run,
+plus the p50/p99 latency of one 4 KiB operation.
+
+Each transfer moves `total` bytes as blocks scattered with a stride (every other block of a pool
+twice that size, on both sides), like the blocks of a paged KV pool, so nothing coalesces and every
+block is a descriptor on the wire. memcpy copies the very same blocks between two private arrays; the
+sendmsg stream gathers the same blocks into one socket and receives them contiguously: what a
+hand-written loopback transfer would reach. Measurements alternate (memcpy, sendmsg, each backend)
+within every repeat after a warm-up, and ratios are medians of per-repeat ratios (MEASURING.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhandoff.transfer.descriptors import DescList
+from kvhandoff.transfer.protocol import send_buffers, tune
+
+KIB, MIB = 1 << 10, 1 << 20
+BLOCK_SIZES = (16 * KIB, 256 * KIB, 4 * MIB)
+LATENCY_BYTES = 4 * KIB
+SECRET = os.urandom(32)
+
+
+@dataclass
+class BenchConfig:
+    backends: tuple[str, ...] = ("shm", "tcp", "nixl")
+    total_bytes: int = 64 * MIB
+    repeats: int = 7
+    latency_iters: int = 400
+    pin: bool = False
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+
+def serve_stream(total: int, block: int) -> int:
+    """Listen on loopback; on each byte received, gather-send `total` bytes in strided blocks. -> port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    pool = memoryview(np.ones(2 * total, np.uint8))
+    blocks = [pool[2 * i * block:2 * i * block + block] for i in range(total // block)]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        listener.close()
+        tune(conn, None)
+        with conn:
+            while conn.recv(1):
+                send_buffers(conn, blocks)
+    threading.Thread(target=serve, name="bench-stream", daemon=True).start()
+    return listener.getsockname()[1]
+
+
+class StreamClient:
+    def __init__(self, port: int, total: int):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        tune(self.sock, None)
+        self.buf = memoryview(np.zeros(total, np.uint8))
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        self.sock.sendall(b"g")
+        got, n = 0, len(self.buf)
+        while got < n:
+            k = self.sock.recv_into(self.buf[got:])
+            if k == 0:
+                raise ConnectionError("stream server closed")
+            got += k
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def memcpy_run(src: np.ndarray, dst: np.ndarray, block: int, total: int) -> float:
+    t0 = time.perf_counter()
+    for off in range(0, 2 * total, 2 * block):
+        dst[off:off + block] = src[off:off + block]
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+def run(cfg: BenchConfig) -> dict:
+    from kvhandoff.transfer import TransferAgent
+    from kvhandoff.transfer.nixl_backend import unavailable_reason
+    from kvhandoff.transfer.remote import RemoteAgent
+
+    backends = list(cfg.backends)
+    skipped = {}
+    if "nixl" in backends and (why := unavailable_reason()) is not None:
+        backends.remove("nixl")
+        skipped["nixl"] = why
+        log(f"bench-transfer: skipping nixl: {why}")
+    total = cfg.total_bytes
+    assert all(total % b == 0 for b in BLOCK_SIZES), "total must be a multiple of 4 MiB"
+    if cfg.pin:
+        os.sched_setaffinity(0, {0})
+    load_before = os.getloadavg()
+    log(f"bench-transfer: {total // MIB} MiB per transfer, backends {backends}, {cfg.repeats} repeats, "
+        f"load {load_before[0]:.2f}")
+
+    target = RemoteAgent(prefix=["taskset", "-c", "1"] if cfg.pin else ())
+    agents = {}
+    try:
+        meta = target.call("create", "bench-target", SECRET, backend="nixl" if "nixl" in backends else "auto")
+        target.call("allocate", "kv", 2 * total)
+        target.call("fill", "kv", seed=0)
+        for b in backends:
+            agent = agents[b] = TransferAgent(f"bench-{b}", SECRET, backend=b)
+            agent._allocate("kv", 2 * total)[:] = 1           # touch every page before timing
+            agent.add_peer(meta)
+        src, dst = np.ones(2 * total, np.uint8), np.ones(2 * total, np.uint8)
+        seconds: dict[tuple[str, str, int], list[float]] = {}
+        for block in BLOCK_SIZES:
+            log(f"bench-transfer: {block // KIB} KiB blocks")
+            descs = DescList.blocks("kv", range(0, 2 * (total // block), 2), block)
+            stream = StreamClient(target.call("stream_serve", total, block), total)
+
+            def measure() -> dict[tuple[str, str, int], float]:
+                out = {("memcpy", "-", block): memcpy_run(src, dst, block, total),
+                       ("sendmsg", "-", block): stream.run()}
+                for b, agent in agents.items():
+                    for op in ("read", "write"):
+                        out[(b, op, block)], h = _timed(agent, op, descs)
+                        assert h.wire_descs == len(descs) and h.backend == b
+                return out
+            measure()                                          # warm-up: page faults, socket buffers, caches
+            for _ in range(cfg.repeats):
+                for key, s in measure().items():
+                    seconds.setdefault(key, []).append(s)
+            stream.close()
+        latency = {}
+        for b, agent in agents.items():
+            for op in ("read", "write"):
+                log(f"bench-transfer: {b} {op} latency")
+                latency[(b, op)] = _latency(agent, op, cfg.latency_iters)
+    finally:
+        for agent in agents.values():
+            agent.close()
+        target.close()
+    load_after = os.getloadavg()
+    return _report(cfg, backends, skipped, seconds, latency, load_before, load_after)
+
+
+def _timed(agent, op: str, descs) -> tuple[float, object]:
+    """Wall time of one operation as a caller sees it: posting (planning included) to wait() returning."""
+    t0 = time.perf_counter()
+    h = getattr(agent, op)("bench-target", descs, descs)
+    h.wait(120)
+    return time.perf_counter() - t0, h
+
+
+def _latency(agent, op: str, iters: int) -> list[float]:
+    one = [("kv", 0, LATENCY_BYTES)]
+    times = [_timed(agent, op, one)[0] for _ in range(iters + iters // 10)]
+    return times[iters // 10:]                                  # the first tenth is warm-up
+
+
+def _report(cfg: BenchConfig, backends: list[str], skipped: dict, seconds: dict, latency: dict,
+            load_before, load_after) -> dict:
+    total = cfg.total_bytes
+    gbps = {k: total / statistics.median(v) / 1e9 for k, v in seconds.items()}
+
+    def ratio(key, base) -> float:
+        return statistics.median(b / a for a, b in zip(seconds[key], seconds[base]))   # per-repeat, then median
+
+    results, ratios = [], []
+    for block in BLOCK_SIZES:
+        for b in backends:
+            for op in ("read", "write"):
+                s = sorted(seconds[(b, op, block)])
+                results.append({"backend": b, "op": op, "block_bytes": block, "gbps": round(gbps[(b, op, block)], 3),
+                                "p50_us": round(_pct(s, 50) * 1e6, 1), "p99_us": round(_pct(s, 99) * 1e6, 1)})
+                ratios.append({"backend": b, "op": op, "block_bytes": block,
+                               "vs_memcpy": round(ratio((b, op, block), ("memcpy", "-", block)), 3),
+                               "vs_sendmsg": round(ratio((b, op, block), ("sendmsg", "-", block)), 3)})
+    for (b, op), times in latency.items():
+        s = sorted(times)
+        results.append({"backend": b, "op": op, "block_bytes": LATENCY_BYTES,
+                        "gbps": round(LATENCY_BYTES / _pct(s, 50) / 1e9, 4),
+                        "p50_us": round(_pct(s, 50) * 1e6, 1), "p99_us": round(_pct(s, 99) * 1e6, 1)})
+    return {
+        "memcpy_gbps": {b: round(gbps[("memcpy", "-", b)], 3) for b in BLOCK_SIZES},
+        "sendmsg_gbps": {b: round(gbps[("sendmsg", "-", b)], 3) for b in BLOCK_SIZES},
+        "results": results,
+        "ratios": ratios,
+        "skipped": skipped,
+        "config": {"total_bytes": total, "repeats": cfg.repeats, "latency_iters": cfg.latency_iters,
+                   "latency_bytes": LATENCY_BYTES, "layout": "every other block of a pool twice the size, both sides",
+                   "pinned": "parent core 0, target core 1" if cfg.pin else "no", "cpus": os.cpu_count(),
+                   "git_commit": _git_commit()},
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in load_after],
+    }
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    return float(np.percentile(sorted_values, q))
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def format_table(report: dict) -> str:
+    """The report as the table the CLI prints."""
+    lines = [f"bench-transfer: {report['config']['total_bytes'] // MIB} MiB per transfer "
+             f"({report['config']['layout']}), {report['config']['repeats']} repeats, "
+             f"commit {report['config']['git_commit']}, load avg before {report['loadavg_before']} "
+             f"after {report['loadavg_after']}",
+             f"{'backend':<8} {'op':<6} {'block':>8} {'GB/s':>7} {'x memcpy':>9} {'x sendmsg':>10} "
+             f"{'p50 us':>9} {'p99 us':>9}"]
+    ratios = {(r["backend"], r["op"], r["block_bytes"]): r for r in report["ratios"]}
+    for block in BLOCK_SIZES:
+        lines.append(f"{'memcpy':<8} {'-':<6} {_size(block):>8} {report['memcpy_gbps'][block]:>7.2f}")
+        lines.append(f"{'sendmsg':<8} {'-':<6} {_size(block):>8} {report['sendmsg_gbps'][block]:>7.2f}")
+        for r in report["results"]:
+            if r["block_bytes"] == block:
+                q = ratios[(r["backend"], r["op"], block)]
+                lines.append(f"{r['backend']:<8} {r['op']:<6} {_size(block):>8} {r['gbps']:>7.2f} "
+                             f"{q['vs_memcpy']:>9.2f} {q['vs_sendmsg']:>10.2f} {r['p50_us']:>9.0f} {r['p99_us']:>9.0f}")
+    for r in report["results"]:
+        if r["block_bytes"] == LATENCY_BYTES:
+            lines.append(f"{r['backend']:<8} {r['op']:<6} {_size(LATENCY_BYTES):>8} {r['gbps']:>7.3f} "
+                         f"{'':>9} {'':>10} {r['p50_us']:>9.1f} {r['p99_us']:>9.1f}")
+    for name, why in report["skipped"].items():
+        lines.append(f"{name}: skipped ({why})")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
