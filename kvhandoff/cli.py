@@ -104,7 +104,7 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown backend(s): {', '.join(sorted(unknown))} (choose from shm, tcp, nixl)")
     report = run(BenchConfig(backends=backends, total_bytes=args.total_mb * 2**20, repeats=args.repeats,
-                             latency_iters=args.latency_iters, pin=args.pin))
+                             latency_iters=args.latency_iters, pin=args.pin, shm_dir=args.shm_dir))
     print(format_table(report), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-iters", type=int, default=400,
                    help="4 KiB operations timed per backend and op (default: %(default)s)")
     p.add_argument("--pin", action="store_true", help="pin this process to core 0 and the target to core 1")
+    p.add_argument("--shm-dir", default="/dev/shm",
+                   help="where shared-memory regions live, e.g. a tmpfs mounted with huge=within_size "
+                        "(default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.set_defaults(func=cmd_bench_transfer)
     return parser

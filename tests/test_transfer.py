@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -341,3 +342,38 @@ def test_stale_segments_of_dead_processes_are_swept():
         for path in (stale, mine):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_agent_lifecycle_guards():
+    with pytest.raises(ValueError, match="secret"):
+        TransferAgent("x", b"")
+    with pytest.raises(ValueError, match="advertise_host"):
+        TransferAgent("x", SECRET, listen_host="0.0.0.0")
+    agent = TransferAgent("x", SECRET)
+    assert SECRET not in agent.metadata() and b"127.0.0.1" in agent.metadata()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(agent.wait_notification()))
+    waiter.start()
+    time.sleep(0.1)
+    agent.close()
+    waiter.join(5)
+    assert got == [None] and not waiter.is_alive()           # close() wakes a blocked waiter
+    with pytest.raises(TransferError, match="closed"):
+        agent.register("r", bytearray(10))
+    agent.close()                                             # idempotent
+
+
+def test_segments_in_another_directory(remote, tmp_path):
+    # shm_dir lets operators put regions on a tmpfs with huge pages; any directory both can open works.
+    meta = remote.call("create", "remote", SECRET, shm_dir=str(tmp_path))
+    remote.call("allocate", "kv", MIB)
+    original = remote.call("fill", "kv", seed=8)
+    with TransferAgent("local", SECRET, shm_dir=str(tmp_path)) as local:
+        kv = local.allocate_region("kv", MIB).numpy()
+        files = sorted(os.listdir(tmp_path))
+        assert len(files) == 2 and all(stat.S_IMODE(os.stat(tmp_path / f).st_mode) == 0o600 for f in files)
+        local.add_peer(meta)
+        assert local.read("remote", [("kv", 0, MIB)], [("kv", 0, MIB)]).wait(10).backend == "shm"
+        assert digest(kv) == original
+    remote.close()
+    assert os.listdir(tmp_path) == []

@@ -31,7 +31,7 @@ from kvhandoff.transfer import shm
 from kvhandoff.transfer.descriptors import DescList, Plan, plan
 from kvhandoff.transfer.errors import PeerError, TransferError
 from kvhandoff.transfer.handle import Handle, Op, XferState
-from kvhandoff.transfer.memory import Region, Segment, byte_view, create_segment, sweep_stale_segments
+from kvhandoff.transfer.memory import SHM_DIR, Region, Segment, byte_view, create_segment, sweep_stale_segments
 from kvhandoff.transfer.protocol import Kind
 from kvhandoff.transfer.tcp import Channel, Inbound, Server, client_handshake, connect
 
@@ -52,7 +52,7 @@ class RegionInfo:
 @dataclass(eq=False)
 class Peer:
     name: str
-    meta: dict                  # its metadata blob, decoded
+    pid: int
     channel: Channel
     same_host: bool
     grants: dict[str, dict] = field(default_factory=dict)           # region name -> grant
@@ -69,8 +69,8 @@ class Peer:
 
 class TransferAgent:
     def __init__(self, name: str, secret: bytes | str, backend: str = "auto", listen_host: str = "127.0.0.1",
-                 listen_port: int = 0, *, advertise_host: str | None = None, heartbeat_s: float = 1.0,
-                 peer_timeout_s: float = 10.0, connect_timeout_s: float = 5.0):
+                 listen_port: int = 0, *, advertise_host: str | None = None, shm_dir: str = SHM_DIR,
+                 heartbeat_s: float = 1.0, peer_timeout_s: float = 10.0, connect_timeout_s: float = 5.0):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         if not secret:
@@ -90,9 +90,10 @@ class TransferAgent:
         self._notes_cv = threading.Condition()
         self._sweep_pids: dict[int, float] = {}         # same-host peers that died -> sweep their segments until
         self._host = shm.host_id()
+        self._shm_dir = os.path.abspath(shm_dir)
         self._closed = False
         # Segments left by crashed agents of this user; ours are unlinked even if close() is never called.
-        sweep_stale_segments()
+        sweep_stale_segments(directory=self._shm_dir)
         self._finalizer = weakref.finalize(self, _unlink_all, self._segments)
         self._nixl = None
         if backend == "nixl":
@@ -102,6 +103,11 @@ class TransferAgent:
         self._server = Server(name, self._secret, listen_host, listen_port, regions=lambda: self._by_id,
                               welcome=self._grant_table, on_notify=self._deliver, on_closed=self._inbound_closed,
                               peer_timeout_s=peer_timeout_s, handshake_timeout_s=connect_timeout_s)
+        if advertise_host is None and listen_host in ("0.0.0.0", "::", ""):
+            self._server.close()
+            raise ValueError("listening on every interface: pass advertise_host, the address peers connect to")
+        if listen_host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("%s: transfer agent listening on %s; only peers holding the secret get in", name, listen_host)
         self.address = (advertise_host or self._server.address[0], self._server.address[1])
         self._stop = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeep, name=f"kvh-house-{name}", daemon=True)
@@ -140,7 +146,7 @@ class TransferAgent:
             self._check_open()
             if name in self._regions:
                 raise ValueError(f"region {name!r} is already registered")
-        segment = create_segment(f"{self.name}.{name}", nbytes)
+        segment = create_segment(f"{self.name}.{name}", nbytes, self._shm_dir)
         with self._lock:
             self._segments.append(segment)
         try:
@@ -200,7 +206,8 @@ class TransferAgent:
             if isinstance(e, OSError):
                 raise PeerError(f"handshake with peer {name!r} failed: {e}") from None
             raise
-        peer = Peer(name, meta, None, same_host=meta.get("host") == self._host)
+        # Host and pid from the authenticated WELCOME, not the blob: they decide what we map and sweep.
+        peer = Peer(name, welcome.get("pid", 0), None, same_host=welcome.get("host") == self._host)
         peer.channel = Channel(sock, name, peer_timeout_s=self._peer_timeout_s, on_notify=self._deliver,
                                on_grants=self._on_grants, on_dead=self._on_peer_dead)
         with self._lock:
@@ -320,12 +327,13 @@ class TransferAgent:
             return
         nixl, channel = self._nixl, peer.channel
 
-        def poll(h: Handle, state: list = [state]) -> None:
-            if state[0] == "PROC":
-                state[0] = nixl.check(xfer)
-            if state[0] == "DONE":
+        def poll(h: Handle) -> None:
+            nonlocal state
+            if state == "PROC":
+                state = nixl.check(xfer)
+            if state == "DONE":
                 done = h._finish()
-            elif state[0] == "ERR":
+            elif state == "ERR":
                 done = h._finish("nixl reported an error")
             elif channel.dead is not None:          # UCX may not notice a dead peer for a long time
                 done = h._finish(f"connection lost: {channel.dead}")
@@ -364,7 +372,7 @@ class TransferAgent:
                 if self._notes:
                     return self._notes.popleft()
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                if self._closed or (left is not None and left <= 0):
                     return None
                 # nixl's notifications only arrive when asked for: poll them every millisecond.
                 self._notes_cv.wait(left if self._nixl is None else min(left or 1e-3, 1e-3))
@@ -389,6 +397,8 @@ class TransferAgent:
             self._closed = True
             peers, self._peers = list(self._peers.values()), {}
         self._stop.set()
+        with self._notes_cv:
+            self._notes_cv.notify_all()                 # wait_notification() returns None once closed
         self._server.close()
         for peer in peers:
             self._close_peer(peer, "agent closed")
@@ -446,7 +456,7 @@ class TransferAgent:
             return                                  # a channel we closed ourselves (removed, replaced)
         log.warning("%s: connection to peer %r lost: %s", self.name, peer_name, reason)
         if peer.same_host:
-            self._schedule_sweep(int(peer.meta.get("pid", 0)))
+            self._schedule_sweep(int(peer.pid))
 
     def _inbound_closed(self, conn: Inbound, reason: str) -> None:
         log.info("%s: peer %r disconnected from us: %s", self.name, conn.peer, reason)
@@ -483,7 +493,7 @@ class TransferAgent:
             with self._lock:
                 sweeps = list(self._sweep_pids.items())
             for pid, until in sweeps:
-                if sweep_stale_segments(pid) or now > until:
+                if sweep_stale_segments(pid, self._shm_dir) or now > until:
                     with self._lock:
                         self._sweep_pids.pop(pid, None)
 

@@ -1,7 +1,8 @@
 """Registered memory: a tensor, array or buffer seen as one flat byte array, and shared-memory
 segments in /dev/shm that a peer on the same host can map.
 
-Segments are files created with mode 0600 (only our user can map them) and fully reserved up front,
+Segments are files (in /dev/shm, or `shm_dir`: e.g. a tmpfs mounted with huge=within_size, whose
+huge pages make copies up to ~1.3x faster than /dev/shm's 4 KiB pages on a VM) created with mode 0600 (only our user can map them) and fully reserved up front,
 so a full /dev/shm fails at allocation instead of as SIGBUS on first touch. Their names carry the
 creator's pid namespace, pid and process start time: an owner that exits normally unlinks them, and
 after a crash anyone who finds a segment whose creator is gone (every agent at start, and a peer that
@@ -65,7 +66,8 @@ def _pid_namespace() -> int:
 
 @dataclass(eq=False)
 class Segment:
-    """A mapped /dev/shm file: ours (we created it and unlink it) or a peer's (mapped to copy into)."""
+    """A mapped shared-memory file: ours (we created it and unlink it) or a peer's (mapped to copy into)."""
+    directory: str
     name: str
     nbytes: int
     array: np.ndarray | None        # uint8 view of the whole mapping; None once released
@@ -74,7 +76,7 @@ class Segment:
 
     @property
     def path(self) -> str:
-        return os.path.join(SHM_DIR, self.name)
+        return os.path.join(self.directory, self.name)
 
     def contains(self, arr: np.ndarray) -> int | None:
         """Offset of `arr`'s memory inside this segment, or None if it is not entirely inside."""
@@ -96,49 +98,58 @@ class Segment:
         self.array = None
 
 
-def create_segment(tag: str, nbytes: int) -> Segment:
+def create_segment(tag: str, nbytes: int, directory: str = SHM_DIR) -> Segment:
     """A new zero-filled segment of `nbytes`, mode 0600, named after this process and `tag`."""
     assert nbytes > 0
     me = os.getpid()
     safe_tag = _SAFE.sub("_", tag)[:64]
     name = f"{PREFIX}{_pid_namespace()}.{me}.{process_start_time(me)}.{safe_tag}.{secrets.token_hex(4)}"
-    path = os.path.join(SHM_DIR, name)
+    path = os.path.join(directory, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)                      # whatever the umask, never more than the owner
         os.posix_fallocate(fd, 0, nbytes)
-        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = _map(fd, nbytes)
         st = os.fstat(fd)
     except BaseException:
         os.unlink(path)
         raise
     finally:
         os.close(fd)
-    return Segment(name, nbytes, np.frombuffer(mapping, dtype=np.uint8), (st.st_dev, st.st_ino), owned=True)
+    return Segment(directory, name, nbytes, np.frombuffer(mapping, dtype=np.uint8), (st.st_dev, st.st_ino), owned=True)
 
 
-def open_segment(name: str, dev_ino: tuple[int, int], min_bytes: int) -> Segment:
+def open_segment(directory: str, name: str, dev_ino: tuple[int, int], min_bytes: int) -> Segment:
     """Map a peer's segment; raises OSError unless it is the very file the peer described."""
-    if not SEGMENT_NAME.match(name):
-        raise OSError(f"refusing to open {name!r}: not a kvhandoff segment name")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if not SEGMENT_NAME.match(name) or not os.path.isabs(directory):
+        raise OSError(f"refusing to open {directory!r}/{name!r}: not a kvhandoff segment")
+    fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != tuple(dev_ino):
             raise OSError(f"{name} is not the peer's segment (another /dev/shm: not the same host)")
         if st.st_size < min_bytes:
             raise OSError(f"{name} has {st.st_size} bytes, the peer granted {min_bytes}")
-        mapping = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = _map(fd, st.st_size)
     finally:
         os.close(fd)
-    return Segment(name, st.st_size, np.frombuffer(mapping, dtype=np.uint8), tuple(dev_ino), owned=False)
+    return Segment(directory, name, st.st_size, np.frombuffer(mapping, dtype=np.uint8), tuple(dev_ino), owned=False)
 
 
-def sweep_stale_segments(pid: int | None = None) -> list[str]:
+def _map(fd: int, nbytes: int) -> mmap.mmap:
+    mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)     # taken up where the tmpfs allows it (huge=advise); else a no-op
+    except (AttributeError, OSError):
+        pass
+    return mapping
+
+
+def sweep_stale_segments(pid: int | None = None, directory: str = SHM_DIR) -> list[str]:
     """Unlink our user's segments (in our pid namespace) whose creator is gone; only `pid`'s if given."""
     removed, pidns, uid = [], _pid_namespace(), os.geteuid()
     try:
-        names = os.listdir(SHM_DIR)
+        names = os.listdir(directory)
     except OSError:
         return removed
     for name in names:
@@ -147,7 +158,7 @@ def sweep_stale_segments(pid: int | None = None) -> list[str]:
             continue
         if str(process_start_time(int(m[2]))) == m[3]:
             continue                                  # the creator is alive (same pid, same start)
-        path = os.path.join(SHM_DIR, name)
+        path = os.path.join(directory, name)
         try:
             if os.lstat(path).st_uid == uid:
                 os.unlink(path)
@@ -179,5 +190,6 @@ class Region:
         """What a peer learns about this region (over the authenticated connection only)."""
         g = {"id": self.id, "nbytes": self.nbytes, "addr": self.addr, "shm": None}
         if self.segment is not None:
-            g.update(shm=self.segment.name, shm_offset=self.segment_offset, shm_dev_ino=list(self.segment.dev_ino))
+            g.update(shm=self.segment.name, shm_dir=self.segment.directory, shm_offset=self.segment_offset,
+                     shm_dev_ino=list(self.segment.dev_ino))
         return g

@@ -37,6 +37,7 @@ class NixlEngine:
         self._lock = threading.Lock()
         self._registered: dict[str, object] = {}        # region name -> NIXL registration descriptors
         self._remotes: dict[str, str] = {}              # our peer name -> NIXL's name for it
+        self._loaded: dict[str, str] = {}               # our peer name -> the metadata loaded for it
 
     def metadata(self) -> str:
         with self._lock:
@@ -55,13 +56,17 @@ class NixlEngine:
     def load_remote(self, peer: str, metadata_b64: str) -> None:
         """(Re)load a peer's NIXL metadata; new registrations on its side need a reload to be reachable."""
         with self._lock:
+            if self._loaded.get(peer) == metadata_b64:
+                return                                  # unchanged: keep transfers in flight undisturbed
             if peer in self._remotes:
                 self._agent.remove_remote_agent(self._remotes.pop(peer))
             name = self._agent.add_remote_agent(base64.b64decode(metadata_b64))
             self._remotes[peer] = name.decode() if isinstance(name, bytes) else name
+            self._loaded[peer] = metadata_b64
 
     def remove_remote(self, peer: str) -> None:
         with self._lock:
+            self._loaded.pop(peer, None)
             if peer in self._remotes:
                 self._agent.remove_remote_agent(self._remotes.pop(peer))
 
@@ -101,15 +106,13 @@ class NixlEngine:
 
     def close(self) -> None:
         with self._lock:
-            for name in self._remotes.values():
-                try:
-                    self._agent.remove_remote_agent(name)
-                except Exception:
-                    pass
+            calls = [(self._agent.remove_remote_agent, name) for name in self._remotes.values()]
+            calls += [(self._agent.deregister_memory, descs) for descs in self._registered.values()]
             self._remotes.clear()
-            for descs in self._registered.values():
-                try:
-                    self._agent.deregister_memory(descs)
-                except Exception:
-                    pass
+            self._loaded.clear()
             self._registered.clear()
+            for call, arg in calls:
+                try:
+                    call(arg)
+                except Exception:                       # best effort: the process may be exiting
+                    pass

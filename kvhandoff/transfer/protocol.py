@@ -145,8 +145,26 @@ def drain(sock: socket.socket, n: int) -> None:
         n -= k
 
 
+# A socket that moved no byte for its timeout raises one of these (see set_timeout).
+STALLED = (TimeoutError, BlockingIOError)
+
+
 def tune(sock: socket.socket, timeout: float | None) -> None:
     # NODELAY: a 4 KiB READ request must leave now, not wait for Nagle. Buffer sizes stay with the
     # kernel's autotuning, which measured at least as fast on loopback as fixed 4 MiB buffers.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(timeout)
+    set_timeout(sock, timeout)
+
+
+def set_timeout(sock: socket.socket, timeout: float | None) -> None:
+    """Give up on a peer that moves no byte for `timeout` seconds, without Python's socket timeouts.
+
+    settimeout() would make the socket non-blocking and poll() before every call: a 64 MiB sendmsg
+    would return after each socket-buffer's worth. SO_RCVTIMEO/SO_SNDTIMEO keep one blocking syscall
+    per call and still bound every wait; a call that times out raises BlockingIOError (EAGAIN).
+    """
+    sock.settimeout(None)
+    sec = 0.0 if timeout is None else timeout
+    tv = struct.pack("@ll", int(sec), int((sec - int(sec)) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)

@@ -59,7 +59,8 @@ def map_grants(grants: dict[str, dict], mapped: dict[str, Segment]) -> tuple[dic
         seg = mapped.get(name)
         if seg is None or seg.array is None or seg.nbytes < size:
             try:
-                seg = open_segment(name, next(g["shm_dev_ino"] for g in grants.values() if g.get("shm") == name), size)
+                g = next(g for g in grants.values() if g.get("shm") == name)
+                seg = open_segment(g["shm_dir"], name, g["shm_dev_ino"], size)
             except OSError as e:
                 failed[name] = str(e)
                 continue

@@ -29,9 +29,9 @@ import numpy as np
 from kvhandoff.transfer.errors import AuthenticationError, OutOfBoundsError
 from kvhandoff.transfer.handle import Handle, Op
 from kvhandoff.transfer.memory import Region
-from kvhandoff.transfer.protocol import (FRAME, HANDSHAKE_VERSION, MAX_PREAUTH_BODY, ConnectionLost, Kind, drain,
-                                         frame, json_frame, mac, parse_xfer_body, recv_exact, recv_frame,
-                                         recv_into_buffers, send_buffers, tune, xfer_body)
+from kvhandoff.transfer.protocol import (FRAME, HANDSHAKE_VERSION, MAX_PREAUTH_BODY, STALLED, ConnectionLost, Kind,
+                                         drain, frame, json_frame, mac, parse_xfer_body, recv_exact, recv_frame,
+                                         recv_into_buffers, send_buffers, set_timeout, tune, xfer_body)
 
 log = logging.getLogger(__name__)
 DRAIN_LIMIT = 1 << 30       # a refused WRITE larger than this closes the connection instead of being drained
@@ -162,7 +162,7 @@ class Server:
             sock.close()
             return
         conn = Inbound(str(hello["name"]), hello, sock, threading.Lock())
-        sock.settimeout(self._peer_timeout_s)
+        set_timeout(sock, self._peer_timeout_s)
         with self._lock:
             old = self._inbound.get(conn.peer)
             self._inbound[conn.peer] = conn
@@ -182,7 +182,7 @@ class Server:
                     conn.send([frame(Kind.PONG)])
                 else:
                     raise ConnectionLost(f"unexpected {kind.name} from a client")
-        except socket.timeout:
+        except STALLED:
             reason = f"no traffic from peer for {self._peer_timeout_s}s"
         except (OSError, ValueError) as e:
             reason = str(e) or type(e).__name__
@@ -256,7 +256,7 @@ class Channel:
         self.peer, self.sock = peer, sock
         self._on_notify, self._on_grants, self._on_dead = on_notify, on_grants, on_dead
         self._peer_timeout_s = peer_timeout_s
-        sock.settimeout(peer_timeout_s)
+        set_timeout(sock, peer_timeout_s)
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -310,7 +310,7 @@ class Channel:
     def _transmit(self, buffers: list, handle: Handle | None) -> None:
         try:
             send_buffers(self.sock, buffers)
-        except socket.timeout:
+        except STALLED:
             self._die(f"peer accepted no data for {self._peer_timeout_s}s")
         except OSError as e:
             self._die(f"send failed: {e}")
@@ -356,7 +356,7 @@ class Channel:
                     pass
                 else:
                     raise ConnectionLost(f"unexpected {kind.name} from the server")
-        except socket.timeout:
+        except STALLED:
             self._die(f"no reply from peer for {self._peer_timeout_s}s")
         except (OSError, ValueError, KeyError) as e:
             self._die(str(e) or type(e).__name__)
