@@ -127,8 +127,9 @@ def run(cfg: BenchConfig) -> dict:
             agent._allocate("kv", 2 * total)[:] = 1           # touch every page before timing
             agent.add_peer(meta)
         src, dst = np.ones(2 * total, np.uint8), np.ones(2 * total, np.uint8)
-        # memcpy again between two /dev/shm mappings: shmem gets no transparent huge pages here (private
-        # numpy arrays do), so this row shows how much of any shm-vs-memcpy gap is page size alone.
+        # memcpy again between two shared-memory mappings, the memory the shm backend copies: private
+        # numpy arrays get transparent huge pages, shmem may not, so this row separates the kind of
+        # memory from the backend's own overhead.
         shm_src = create_segment("bench.src", 2 * total, cfg.shm_dir)
         shm_dst = create_segment("bench.dst", 2 * total, cfg.shm_dir)
         segments += [shm_src, shm_dst]

@@ -60,11 +60,16 @@ class DescList:
         missing = [n for n in self.names if n not in sizes]
         if missing:
             raise OutOfBoundsError(f"{whose} region {missing[0]!r} is not registered")
-        size = np.array([sizes[n] for n in self.names], dtype=np.int64)[self.region]
-        # Written so no term can overflow int64: compare against size - length only once length <= size.
-        bad = (self.length <= 0) | (self.offset < 0) | (self.length > size) | (self.offset > size - self.length)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
+        if len(self) == 1:                      # a single op should not pay numpy's fixed costs
+            offset, length, size = int(self.offset[0]), int(self.length[0]), sizes[self.names[0]]
+            bad = [] if length > 0 and 0 <= offset and offset + length <= size else [0]
+        else:
+            size = np.array([sizes[n] for n in self.names], dtype=np.int64)[self.region]
+            # No term can overflow int64: size - length is only compared once length <= size.
+            bad = np.flatnonzero((self.length <= 0) | (self.offset < 0) | (self.length > size)
+                                 | (self.offset > size - self.length))
+        if len(bad):
+            i = int(bad[0])
             name = self.names[self.region[i]]
             raise OutOfBoundsError(
                 f"{whose} descriptor {i} (region {name!r}, offset {int(self.offset[i])}, length "

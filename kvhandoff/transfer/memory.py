@@ -1,8 +1,8 @@
 """Registered memory: a tensor, array or buffer seen as one flat byte array, and shared-memory
 segments in /dev/shm that a peer on the same host can map.
 
-Segments are files (in /dev/shm, or `shm_dir`: e.g. a tmpfs mounted with huge=within_size, whose
-huge pages make copies up to ~1.3x faster than /dev/shm's 4 KiB pages on a VM) created with mode 0600 (only our user can map them) and fully reserved up front,
+Segments are files (in /dev/shm, or `shm_dir`: e.g. a tmpfs mounted with huge=within_size for huge
+pages) created with mode 0600 (only our user can map them) and fully reserved up front,
 so a full /dev/shm fails at allocation instead of as SIGBUS on first touch. Their names carry the
 creator's pid namespace, pid and process start time: an owner that exits normally unlinks them, and
 after a crash anyone who finds a segment whose creator is gone (every agent at start, and a peer that

@@ -35,6 +35,7 @@ from kvhandoff.transfer.protocol import (FRAME, HANDSHAKE_VERSION, MAX_PREAUTH_B
 
 log = logging.getLogger(__name__)
 DRAIN_LIMIT = 1 << 30       # a refused WRITE larger than this closes the connection instead of being drained
+SMALL_TABLE = 16              # descriptor tables up to this size are checked in plain Python
 INLINE_SEND_BYTES = 64 << 10  # WRITE payloads up to this are sent by the caller when the queue is empty
 
 
@@ -198,18 +199,26 @@ class Server:
     def _views(self, table: np.ndarray) -> list[memoryview]:
         """Byte views of the requested ranges; OutOfBoundsError unless all lie inside live regions."""
         regions = self._regions()
+        if len(table) <= SMALL_TABLE:           # a few descriptors: a loop beats numpy's fixed costs
+            views = []
+            for i, (rid, _, offset, length) in enumerate(table.tolist()):
+                region = regions.get(rid)
+                if region is None or not 0 < length <= region.nbytes or offset > region.nbytes - length:
+                    raise OutOfBoundsError(_refusal(regions, i, rid, offset, length))
+                views.append(memoryview(region.array)[offset:offset + length])
+            return views
         ids, inverse = np.unique(table["region"], return_inverse=True)
         ids = ids.tolist()
-        for rid in ids:
+        for k, rid in enumerate(ids):
             if rid not in regions:
-                raise OutOfBoundsError(f"region id {rid} is not registered (deregistered?)")
+                i = int(np.flatnonzero(inverse == k)[0])
+                raise OutOfBoundsError(_refusal(regions, i, rid, int(table["offset"][i]), int(table["length"][i])))
         sizes = np.array([regions[rid].nbytes for rid in ids], np.uint64)[inverse]
         offset, length = table["offset"], table["length"]
         bad = (length == 0) | (length > sizes) | (offset > sizes - np.minimum(length, sizes))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise OutOfBoundsError(f"descriptor {i} (region {regions[ids[inverse[i]]].name!r}, offset {int(offset[i])}, "
-                                   f"length {int(length[i])}) is outside the region's {int(sizes[i])} bytes")
+            raise OutOfBoundsError(_refusal(regions, i, ids[inverse[i]], int(offset[i]), int(length[i])))
         memviews = [memoryview(regions[rid].array) for rid in ids]
         return [memviews[k][o:o + n] for k, o, n in zip(inverse.tolist(), offset.tolist(), length.tolist())]
 
@@ -239,6 +248,14 @@ class Server:
         if notify:
             self._on_notify(conn.peer, notify)       # after the data landed: the notification means "ready"
         conn.send([frame(Kind.WRITE_DONE, req_id)])
+
+
+def _refusal(regions: dict[int, Region], i: int, rid: int, offset: int, length: int) -> str:
+    region = regions.get(rid)
+    if region is None:
+        return f"descriptor {i}: region id {rid} is not registered (deregistered?)"
+    return (f"descriptor {i} (region {region.name!r}, offset {offset}, length {length}) is outside the "
+            f"region's {region.nbytes} bytes")
 
 
 # ---------------------------------------------------------------------------------------------- client
