@@ -68,6 +68,11 @@ class Peer:
 
 
 class TransferAgent:
+    """One process's end of the data plane. `secret` is shared by every agent that may talk to this
+    one; `backend` "auto" picks shm or tcp per transfer, "shm"/"tcp" force one, "nixl" sends through
+    NIXL (peers need it too). The server listens on `listen_host` (loopback by default); a peer that
+    moves no byte for `peer_timeout_s` is declared dead (we ping every `heartbeat_s` when idle)."""
+
     def __init__(self, name: str, secret: bytes | str, backend: str = "auto", listen_host: str = "127.0.0.1",
                  listen_port: int = 0, *, advertise_host: str | None = None, shm_dir: str = SHM_DIR,
                  heartbeat_s: float = 1.0, peer_timeout_s: float = 10.0, connect_timeout_s: float = 5.0):
@@ -99,7 +104,6 @@ class TransferAgent:
         if backend == "nixl":
             from kvhandoff.transfer.nixl_backend import NixlEngine
             self._nixl = NixlEngine(name)
-        self._copier = shm.CopyWorker(f"kvh-copy-{name}")
         self._server = Server(name, self._secret, listen_host, listen_port, regions=lambda: self._by_id,
                               welcome=self._grant_table, on_notify=self._deliver, on_closed=self._inbound_closed,
                               peer_timeout_s=peer_timeout_s, handshake_timeout_s=connect_timeout_s)
@@ -109,6 +113,7 @@ class TransferAgent:
         if listen_host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("%s: transfer agent listening on %s; only peers holding the secret get in", name, listen_host)
         self.address = (advertise_host or self._server.address[0], self._server.address[1])
+        self._copier = shm.CopyWorker(f"kvh-copy-{name}")
         self._stop = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeep, name=f"kvh-house-{name}", daemon=True)
         self._housekeeper.start()

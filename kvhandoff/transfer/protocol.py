@@ -105,17 +105,32 @@ def recv_frame(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[Kind, int
 
 def send_buffers(sock: socket.socket, buffers: list) -> None:
     """Gather-send every buffer in order (bytes or 1-D byte memoryviews), IOV_MAX at a time."""
-    bufs, i = list(buffers), 0
-    while i < len(bufs):
-        sent = sock.sendmsg(bufs[i:i + IOV_MAX])
-        while sent:                       # advance past what went out; a partial buffer is re-sliced
-            n = len(bufs[i])
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                bufs[i] = memoryview(bufs[i])[sent:]
-                sent = 0
+    rest = list(buffers)
+    while rest:
+        rest = _advance(rest, sock.sendmsg(rest[:IOV_MAX]))
+
+
+def send_nowait(sock: socket.socket, buffers: list) -> list:
+    """Send what the socket takes without blocking; returns the unsent tail ([] when all went out)."""
+    rest = list(buffers)
+    try:
+        while rest:
+            rest = _advance(rest, sock.sendmsg(rest[:IOV_MAX], [], socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        pass
+    return rest
+
+
+def _advance(bufs: list, sent: int) -> list:
+    """The buffers still to send after `sent` more bytes went out (a partial one is re-sliced)."""
+    i = 0
+    while sent:
+        n = len(bufs[i])
+        if sent < n:
+            return [memoryview(bufs[i])[sent:], *bufs[i + 1:]]
+        sent -= n
+        i += 1
+    return bufs[i:]
 
 
 def recv_into_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
