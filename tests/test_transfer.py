@@ -193,7 +193,8 @@ def test_out_of_bounds_is_refused_and_changes_nothing(remote, backend):
         local._peers["remote"].grants["kv"]["nbytes"] = 2 * MIB
         refusal = "refused by 'remote'.*outside" if backend == "tcp" else "copy failed"
         for op in (local.write, local.read):
-            h = op("remote", [("kv", 0, 8192)], [("kv", MIB - 4096, 8192)])
+            # The first descriptor is fine, the second reaches past the end: nothing may move at all.
+            h = op("remote", [("kv", 0, 4096), ("kv", 8192, 8192)], [("kv", 0, 4096), ("kv", MIB - 4096, 8192)])
             with pytest.raises(TransferError, match=refusal):
                 h.wait(10)
             assert h.state is XferState.ERROR and h.backend == backend

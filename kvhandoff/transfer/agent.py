@@ -191,10 +191,13 @@ class TransferAgent:
         Raises AuthenticationError (wrong secret on either side: nothing is changed), PeerError.
         """
         self._check_open()
-        meta = json.loads(metadata)
-        if meta.get("v") != METADATA_VERSION:
-            raise PeerError(f"unsupported metadata version {meta.get('v')!r}")
-        name, address = meta["name"], (meta["addr"][0], int(meta["addr"][1]))
+        try:
+            meta = json.loads(metadata)
+            name, address, version = str(meta["name"]), (str(meta["addr"][0]), int(meta["addr"][1])), meta["v"]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise PeerError(f"malformed peer metadata: {e!r}") from None
+        if version != METADATA_VERSION:
+            raise PeerError(f"peer {name!r} speaks metadata version {version!r}, we speak {METADATA_VERSION}")
         if name == self.name:
             raise PeerError(f"peer {name!r} has this agent's own name")
         if self.backend == "nixl" and not meta.get("nixl"):
@@ -226,7 +229,10 @@ class TransferAgent:
                 region, why = next(iter(peer.no_shm.items()))
                 raise PeerError(f"backend 'shm': region {region!r} of peer {name!r} cannot be mapped: {why}")
         except BaseException:
-            self.remove_peer(name)
+            with self._lock:
+                if self._peers.get(name) is peer:
+                    del self._peers[name]
+            self._close_peer(peer, "add_peer failed")
             raise
         return name
 

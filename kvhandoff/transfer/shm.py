@@ -85,14 +85,29 @@ def copy(op: Op, p: Plan, local: list[np.ndarray], remote: list[np.ndarray]) -> 
     slice assignment is memcpy underneath and releases the GIL for large blocks; the per-segment
     cost is ~1 us, which is why the plan coalesces first.
     """
-    rows = zip(p.local.region.tolist(), p.local.offset.tolist(),
-               p.remote.region.tolist(), p.remote.offset.tolist(), p.local.length.tolist())
+    rows = list(zip(p.local.region.tolist(), p.local.offset.tolist(),
+                    p.remote.region.tolist(), p.remote.offset.tolist(), p.local.length.tolist()))
+    # The mapped views end where the grants ended when they were mapped: a plan that reaches past
+    # them (forged or stale grants) fails here, before the first byte moves, not halfway through.
+    if len(rows) == 1:
+        lr, lo, rr, ro, n = rows[0]
+        outside = lo < 0 or ro < 0 or lo + n > local[lr].size or ro + n > remote[rr].size
+    else:
+        outside = _outside(p.local, local) or _outside(p.remote, remote)
+    if outside:
+        raise ValueError("a segment reaches outside the mapped region")
     if op is Op.READ:
         for lr, lo, rr, ro, n in rows:
             local[lr][lo:lo + n] = remote[rr][ro:ro + n]
     else:
         for lr, lo, rr, ro, n in rows:
             remote[rr][ro:ro + n] = local[lr][lo:lo + n]
+
+
+def _outside(side, arrays: list[np.ndarray]) -> bool:
+    ends = np.zeros(len(arrays), np.int64)
+    np.maximum.at(ends, side.region, side.offset + side.length)
+    return bool((ends > [a.size for a in arrays]).any() or (side.offset < 0).any())
 
 
 class CopyWorker:
