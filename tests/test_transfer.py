@@ -380,3 +380,29 @@ def test_segments_in_another_directory(remote, tmp_path):
         assert digest(kv) == original
     remote.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_garbage_on_the_wire_is_refused_and_harmless():
+    import json
+    import socket
+    with TransferAgent("a", SECRET) as a, TransferAgent("b", SECRET) as b:
+        huge_hello = (1).to_bytes(1, "little") + bytes(7) + (2**40).to_bytes(8, "little")
+        for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", np.random.default_rng(0).bytes(64), huge_hello):
+            with socket.create_connection(b.address, timeout=5) as s:
+                s.sendall(junk)
+                try:
+                    assert s.recv(100) == b""                        # the server just hangs up
+                except ConnectionResetError:
+                    pass
+        assert a.add_peer(b.metadata()) == "b"                        # and still serves real peers
+        # Our side of the same: an "agent" that answers with junk is refused with a clear error.
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=lambda: listener.accept()[0].sendall(b"HTTP/1.1 400 Bad\r\n\r\n" * 4),
+                         daemon=True).start()
+        fake = json.dumps({"v": 1, "name": "fake", "addr": ["127.0.0.1", listener.getsockname()[1]]}).encode()
+        with pytest.raises(PeerError, match="handshake with peer 'fake' failed"):
+            a.add_peer(fake)
+        with pytest.raises(PeerError, match="malformed"):
+            a.add_peer(b"{not json")
+        assert a.peers == ["b"]
+        listener.close()

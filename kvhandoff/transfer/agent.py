@@ -211,8 +211,8 @@ class TransferAgent:
                                        {"instance": self.instance, "host": self._host, "pid": os.getpid()})
         except BaseException as e:
             sock.close()
-            if isinstance(e, OSError):
-                raise PeerError(f"handshake with peer {name!r} failed: {e}") from None
+            if isinstance(e, (OSError, ValueError, KeyError, TypeError, AttributeError)):
+                raise PeerError(f"handshake with peer {name!r} failed: {e!r}") from None
             raise
         # Host and pid from the authenticated WELCOME, not the blob: they decide what we map and sweep.
         peer = Peer(name, welcome.get("pid", 0), None, same_host=welcome.get("host") == self._host)

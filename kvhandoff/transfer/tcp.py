@@ -158,7 +158,7 @@ class Server:
         try:
             tune(sock, self._handshake_timeout_s)
             hello = server_handshake(sock, self.name, self._secret, self._welcome)
-        except (OSError, ValueError, KeyError, AuthenticationError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, AuthenticationError) as e:
             log.warning("%s: handshake from %s refused: %s", self.name, addr, e)
             sock.close()
             return
