@@ -406,3 +406,20 @@ def test_garbage_on_the_wire_is_refused_and_harmless():
             a.add_peer(b"{not json")
         assert a.peers == ["b"]
         listener.close()
+
+
+def test_bench_transfer_command_writes_the_documented_json(tmp_path):
+    import json
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "bench-transfer", "--backends", "shm,tcp",
+                           "--total-mb", "4", "--repeats", "1", "--latency-iters", "20", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sendmsg" in proc.stdout and "x memcpy" in proc.stdout and "load avg" in proc.stdout
+    report = json.loads(out.read_text())
+    assert set(report["memcpy_gbps"]) == set(report["sendmsg_gbps"]) == {"16384", "262144", "4194304"}
+    rows = {(r["backend"], r["op"], r["block_bytes"]) for r in report["results"]}
+    assert rows == {(b, op, size) for b in ("shm", "tcp") for op in ("read", "write")
+                    for size in (4096, 16384, 262144, 4194304)}
+    assert all(r["gbps"] > 0 and 0 < r["p50_us"] <= r["p99_us"] for r in report["results"])
+    assert len(report["loadavg_before"]) == 3

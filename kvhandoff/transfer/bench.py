@@ -136,8 +136,10 @@ def run(cfg: BenchConfig) -> dict:
         shm_src.array[:] = 1
         shm_dst.array[:] = 1
         seconds: dict[tuple[str, str, int], list[float]] = {}
+        loads: dict[int, list[float]] = {}
         for block in BLOCK_SIZES:
-            log(f"bench-transfer: {block // KIB} KiB blocks")
+            loads[block] = [round(x, 2) for x in os.getloadavg()]
+            log(f"bench-transfer: {block // KIB} KiB blocks (load {loads[block][0]})")
             descs = DescList.blocks("kv", range(0, 2 * (total // block), 2), block)
             stream = StreamClient(target.call("stream_serve", total, block), total)
 
@@ -167,7 +169,9 @@ def run(cfg: BenchConfig) -> dict:
             segment.unlink()
         target.close()
     load_after = os.getloadavg()
-    return _report(cfg, backends, skipped, seconds, latency, load_before, load_after)
+    report = _report(cfg, backends, skipped, seconds, latency, load_before, load_after)
+    report["loadavg_by_block"] = loads
+    return report
 
 
 def _timed(agent, op: str, descs) -> tuple[float, object]:
