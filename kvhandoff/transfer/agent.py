@@ -32,7 +32,7 @@ from kvhandoff.transfer.descriptors import DescList, Plan, plan
 from kvhandoff.transfer.errors import PeerError, TransferError
 from kvhandoff.transfer.handle import Handle, Op, XferState
 from kvhandoff.transfer.memory import SHM_DIR, Region, Segment, byte_view, create_segment, sweep_stale_segments
-from kvhandoff.transfer.protocol import Kind
+from kvhandoff.transfer.protocol import Kind, byte_views
 from kvhandoff.transfer.tcp import Channel, Inbound, Server, client_handshake, connect
 
 log = logging.getLogger(__name__)
@@ -285,9 +285,8 @@ class TransferAgent:
             self._post_nixl(op, peer, p, local_regions, grants, handle, notify)
         else:
             ids = np.array([grants[n]["id"] for n in remote.names], np.uint32)[p.remote.region]
-            views = [memoryview(r.array) for r in local_regions]
-            local_views = [views[r][o:o + n] for r, o, n in
-                           zip(p.local.region.tolist(), p.local.offset.tolist(), p.local.length.tolist())]
+            local_views = byte_views([memoryview(r.array) for r in local_regions], p.local.region, p.local.offset,
+                                     p.local.length)
             peer.channel.post(op, handle, ids, p.remote.offset, p.remote.length, local_views, notify)
         return handle
 

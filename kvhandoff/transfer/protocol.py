@@ -19,7 +19,9 @@ import hashlib
 import hmac
 import json
 import socket
+import itertools
 import struct
+from collections.abc import Iterable, Iterator
 from enum import IntEnum
 
 import numpy as np
@@ -103,11 +105,19 @@ def recv_frame(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[Kind, int
     return Kind(kind), req_id, recv_exact(sock, length) if length else bytearray()
 
 
-def send_buffers(sock: socket.socket, buffers: list) -> None:
-    """Gather-send every buffer in order (bytes or 1-D byte memoryviews), IOV_MAX at a time."""
-    rest = list(buffers)
-    while rest:
-        rest = _advance(rest, sock.sendmsg(rest[:IOV_MAX]))
+def send_buffers(sock: socket.socket, buffers: Iterable) -> None:
+    """Gather-send every buffer in order (bytes or 1-D byte memoryviews), IOV_MAX at a time.
+
+    `buffers` may be a generator: views are made just ahead of the socket, so a transfer of
+    thousands of blocks starts moving bytes at once instead of after building them all.
+    """
+    pending, rest = iter(buffers), []
+    while True:
+        if len(rest) < IOV_MAX:
+            rest += itertools.islice(pending, IOV_MAX - len(rest))
+        if not rest:
+            return
+        rest = _advance(rest, sock.sendmsg(rest))
 
 
 def send_nowait(sock: socket.socket, buffers: list) -> list:
@@ -133,21 +143,25 @@ def _advance(bufs: list, sent: int) -> list:
     return bufs[i:]
 
 
-def recv_into_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """Scatter-receive exactly as many bytes as the buffers hold, straight into them."""
-    bufs, i = list(buffers), 0
-    while i < len(bufs):
-        got = sock.recvmsg_into(bufs[i:i + RECV_BUFFERS])[0]
+def recv_into_buffers(sock: socket.socket, buffers: Iterable[memoryview]) -> None:
+    """Scatter-receive exactly as many bytes as the buffers hold, straight into them (a generator
+    of buffers is consumed just ahead of the socket, like in send_buffers)."""
+    pending, window = iter(buffers), []
+    while True:
+        if len(window) < RECV_BUFFERS:
+            window += itertools.islice(pending, RECV_BUFFERS - len(window))
+        if not window:
+            return
+        got = sock.recvmsg_into(window)[0]
         if got == 0:
             raise ConnectionLost("connection closed by peer")
-        while got:
-            n = len(bufs[i])
-            if got >= n:
-                got -= n
-                i += 1
-            else:
-                bufs[i] = bufs[i][got:]
-                got = 0
+        window = _advance(window, got)
+
+
+def byte_views(arrays: list[memoryview], region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> Iterator[memoryview]:
+    """Lazily, the view of each (region index, offset, length) segment into `arrays`."""
+    for r, o, n in zip(region.tolist(), offset.tolist(), length.tolist()):
+        yield arrays[r][o:o + n]
 
 
 def drain(sock: socket.socket, n: int) -> None:

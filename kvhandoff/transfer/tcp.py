@@ -21,7 +21,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +31,8 @@ from kvhandoff.transfer.handle import Handle, Op
 from kvhandoff.transfer.memory import Region
 from kvhandoff.transfer.protocol import (FRAME, HANDSHAKE_VERSION, MAX_PREAUTH_BODY, STALLED, ConnectionLost, Kind,
                                          drain, frame, json_frame, mac, parse_xfer_body, recv_exact, recv_frame,
-                                         recv_into_buffers, send_buffers, send_nowait, set_timeout, tune, xfer_body)
+                                         byte_views, recv_into_buffers, send_buffers, send_nowait, set_timeout, tune,
+                                         xfer_body)
 
 log = logging.getLogger(__name__)
 DRAIN_LIMIT = 1 << 30       # a refused WRITE larger than this closes the connection instead of being drained
@@ -98,7 +99,7 @@ class Inbound:
     sock: socket.socket
     lock: threading.Lock
 
-    def send(self, buffers: list) -> None:
+    def send(self, buffers: Iterable) -> None:
         with self.lock:
             send_buffers(self.sock, buffers)
 
@@ -196,8 +197,9 @@ class Server:
             if not self._closed:
                 self._on_closed(conn, reason)
 
-    def _views(self, table: np.ndarray) -> list[memoryview]:
-        """Byte views of the requested ranges; OutOfBoundsError unless all lie inside live regions."""
+    def _views(self, table: np.ndarray) -> tuple[int, Iterable[memoryview]]:
+        """(total bytes, byte views of the requested ranges), the views made lazily; OutOfBoundsError
+        unless every range lies inside a live region (all checked before the first byte moves)."""
         regions = self._regions()
         if len(table) <= SMALL_TABLE:           # a few descriptors: a loop beats numpy's fixed costs
             views = []
@@ -206,7 +208,7 @@ class Server:
                 if region is None or not 0 < length <= region.nbytes or offset > region.nbytes - length:
                     raise OutOfBoundsError(_refusal(regions, i, rid, offset, length))
                 views.append(memoryview(region.array)[offset:offset + length])
-            return views
+            return sum(len(v) for v in views), views
         ids, inverse = np.unique(table["region"], return_inverse=True)
         ids = ids.tolist()
         for k, rid in enumerate(ids):
@@ -219,24 +221,24 @@ class Server:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise OutOfBoundsError(_refusal(regions, i, ids[inverse[i]], int(offset[i]), int(length[i])))
-        memviews = [memoryview(regions[rid].array) for rid in ids]
-        return [memviews[k][o:o + n] for k, o, n in zip(inverse.tolist(), offset.tolist(), length.tolist())]
+        total = int(length.sum(dtype=np.uint64))   # no wrap: each length is at most its region's size
+        return total, byte_views([memoryview(regions[rid].array) for rid in ids], inverse, offset, length)
 
     def _serve_read(self, conn: Inbound, req_id: int, body: bytearray) -> None:
         table, notify = parse_xfer_body(body)
         try:
-            views = self._views(table)
+            total, views = self._views(table)
         except OutOfBoundsError as e:
             conn.send([frame(Kind.FAILED, req_id, f"refused by {self.name!r}: {e}".encode())])
             return
-        conn.send([FRAME.pack(Kind.READ_DATA, req_id, sum(len(v) for v in views)), *views])
+        conn.send(itertools.chain([FRAME.pack(Kind.READ_DATA, req_id, total)], views))
         if notify:
             self._on_notify(conn.peer, notify)
 
     def _serve_write(self, conn: Inbound, req_id: int, body: bytearray) -> None:
         table, notify = parse_xfer_body(body)
         try:
-            views = self._views(table)
+            _, views = self._views(table)
         except OutOfBoundsError as e:
             total = sum(table["length"].tolist())
             if total > DRAIN_LIMIT:
@@ -263,7 +265,7 @@ def _refusal(regions: dict[int, Region], i: int, rid: int, offset: int, length: 
 @dataclass(eq=False)
 class _Pending:
     handle: Handle
-    views: list[memoryview] | None          # READ: where the payload lands
+    views: Iterable[memoryview] | None      # READ: where the payload lands (made as it arrives)
 
 
 class Channel:
@@ -288,7 +290,9 @@ class Channel:
         self._receiver.start()
 
     def post(self, op: Op, handle: Handle, remote_ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-             local_views: list[memoryview], notify: bytes) -> None:
+             local_views: Iterable[memoryview], notify: bytes) -> None:
+        """Send a READ or WRITE request; `local_views` (a generator is best: it is consumed as the
+        bytes move) is where a READ lands or what a WRITE sends, `handle.nbytes` in all."""
         req_id = next(self._ids) & 0xFFFFFFFF
         head = frame(Kind.READ if op is Op.READ else Kind.WRITE, req_id, xfer_body(remote_ids, offsets, lengths, notify))
         with self._lock:
@@ -298,8 +302,10 @@ class Channel:
             self._pending[req_id] = _Pending(handle, local_views if op is Op.READ else None)
         if op is Op.READ:
             self._send([head], small=True)
+        elif handle.nbytes <= INLINE_SEND_BYTES:
+            self._send([head, *local_views], small=True)
         else:
-            self._send([head, *local_views], small=sum(len(v) for v in local_views) <= INLINE_SEND_BYTES)
+            self._send(itertools.chain([head], local_views))
 
     def notify(self, msg: bytes, handle: Handle | None = None) -> None:
         """Send a notification; `handle`, if given, finishes once it is on the wire (or fails)."""
@@ -310,7 +316,7 @@ class Channel:
     def ping(self) -> None:
         self._send([frame(Kind.PING)])
 
-    def _send(self, buffers: list, handle: Handle | None = None, small: bool = False) -> None:
+    def _send(self, buffers: Iterable, handle: Handle | None = None, small: bool = False) -> None:
         """Small frames go out from the caller's thread when nothing is queued before them (saves a
         thread hop, ~half the latency of a 4 KiB op) and the socket takes them without blocking;
         everything else, in order, via the sender thread. The caller never waits on the network."""
@@ -332,12 +338,12 @@ class Channel:
                 self._send_lock.release()
         self._enqueue(buffers, handle)
 
-    def _enqueue(self, buffers: list, handle: Handle | None) -> None:
+    def _enqueue(self, buffers: Iterable, handle: Handle | None) -> None:
         with self._lock:
             self._queued += 1
         self._outbox.put((buffers, handle))
 
-    def _transmit(self, buffers: list, handle: Handle | None) -> None:
+    def _transmit(self, buffers: Iterable, handle: Handle | None) -> None:
         try:
             send_buffers(self.sock, buffers)
         except STALLED:
@@ -370,7 +376,7 @@ class Channel:
                     # Looked up, not removed, until the payload is in: if the connection dies halfway,
                     # _die still finds this request and fails it.
                     pending = self._get(req_id)
-                    if pending.views is None or length != sum(len(v) for v in pending.views):
+                    if pending.views is None or length != pending.handle.nbytes:
                         raise ConnectionLost(f"READ_DATA of {length} bytes does not match request {req_id}")
                     recv_into_buffers(self.sock, pending.views)
                     self._complete(req_id)
