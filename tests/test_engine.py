@@ -207,3 +207,61 @@ def test_loop_failure_fails_requests_instead_of_hanging(prompts):
             loop.submit("late", prompts[0], GREEDY, on_output)
     finally:
         loop.stop()
+
+
+def run_until_finished(engine: LLMEngine, request_id: str, max_steps: int = 5000):
+    tokens = []
+    for _ in range(max_steps):
+        assert engine.has_work(), f"{request_id} is stuck: the engine has nothing to run"
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+                if out.finished:
+                    return tokens, out
+    raise AssertionError(f"{request_id} did not finish in {max_steps} steps")
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_handoff_hooks_copy_kv_between_engines(prompts, reference, prefix_caching):
+    """Prefill-only on one engine, KV copied block by block into another engine's reserved blocks,
+    decode there: the tokens equal colocated decoding (the engine half of every handoff mode)."""
+    prefill = make_engine(num_blocks=64, max_num_batched_tokens=48, enable_prefix_caching=prefix_caching)
+    decode = make_engine(num_blocks=64, enable_prefix_caching=prefix_caching)
+    for rounds in range(2 if prefix_caching else 1):        # round 2 hits the prefill's prefix cache
+        for i, prompt in enumerate(prompts):
+            handoff_id = f"h{rounds}-{i}"
+            prefill.add_request(handoff_id, prompt, GREEDY, prefill_only=True)
+            _, done = run_until_finished(prefill, handoff_id)
+            assert done.finish_reason == "prefilled" and done.num_kv_tokens == len(prompt) - 1
+            dest = decode.reserve_for_remote_kv(handoff_id, prompt, GREEDY, done.num_kv_tokens)
+            assert len(dest) == len(done.kv_block_ids)
+            decode.runner.kv_cache[dest] = prefill.runner.kv_cache[done.kv_block_ids]
+            prefill.release_pinned(handoff_id)
+            decode.kv_ready(handoff_id, done.num_kv_tokens)
+            tokens, _ = run_until_finished(decode, handoff_id)
+            assert tokens == reference[i], f"prompt {i}"
+    assert prefill.num_free_blocks == prefill.num_blocks and decode.num_free_blocks == decode.num_blocks
+
+
+def test_kv_failure_recomputes_or_errors(prompts, reference):
+    decode = make_engine(num_blocks=64)
+    prompt = prompts[3]
+    decode.reserve_for_remote_kv("lost", prompt, GREEDY, len(prompt) - 1)
+    assert decode.num_free_blocks < decode.num_blocks
+    # The reserved blocks hold garbage (nothing arrived): recompute must ignore them entirely.
+    assert decode.kv_failed("lost", recompute=True, reason="lease expired") is None
+    tokens, out = run_until_finished(decode, "lost")
+    assert tokens == reference[3] and out.finish_reason == "length"
+    decode.reserve_for_remote_kv("failed", prompt, GREEDY, len(prompt) - 1)
+    out = decode.kv_failed("failed", recompute=False, reason="transfer failed")
+    assert out.finish_reason == "error" and "transfer failed" in out.error
+    assert decode.num_free_blocks == decode.num_blocks
+
+
+def test_reserve_refuses_when_pool_is_full(prompts):
+    decode = make_engine(num_blocks=12)
+    assert len(decode.reserve_for_remote_kv("first", prompts[5], GREEDY, 199)) == 7
+    assert decode.reserve_for_remote_kv("big", prompts[7], GREEDY, 299) is None
+    assert decode.num_free_blocks == 5 and "big" not in decode.requests
+    decode.kv_failed("first", recompute=False, reason="test over")
+    assert decode.num_free_blocks == 12

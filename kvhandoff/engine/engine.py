@@ -16,7 +16,7 @@ from kvhandoff.engine.block_pool import BlockPool
 from kvhandoff.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
 from kvhandoff.engine.runner import ModelRunner, kv_block_bytes
 from kvhandoff.engine.sampler import Sampler
-from kvhandoff.engine.scheduler import ScheduledChunk, Scheduler
+from kvhandoff.engine.scheduler import Scheduler
 from kvhandoff.model.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.sampler = Sampler(self.eos_token_ids, cfg.seed)
         self.requests: dict[str, Request] = {}
+        self.pinned: dict[str, list[int]] = {}          # prefill-only request id -> blocks held for a handoff
+        self._done_at_once: list[RequestOutput] = []    # finished at admission, reported by the next step
         log.info("engine ready: model=%s device=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV)",
                  self.served_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                  cfg.block_size, num_blocks * self.block_bytes / 2**20)
@@ -98,16 +100,67 @@ class LLMEngine:
                              f"{self.pool.num_blocks}; shorten the prompt or lower max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival: float | None = None) -> Request:
-        if request_id in self.requests:
+                    arrival: float | None = None, prefill_only: bool = False) -> Request:
+        """Queue a request. `prefill_only`: compute the prompt's KV (all tokens but the last) and
+        finish with reason "prefilled", the blocks pinned until release_pinned()."""
+        request = self._new_request(request_id, prompt_token_ids, params, arrival)
+        request.prefill_only = prefill_only
+        if prefill_only and request.num_target_tokens == 0:
+            # A one-token prompt has no KV to hand off: done before it starts.
+            self._done_at_once.append(self._finish(request, FinishReason.PREFILLED, keep_blocks=True))
+            return request
+        self.scheduler.add(request)
+        return request
+
+    def _new_request(self, request_id, prompt_token_ids, params, arrival) -> Request:
+        if request_id in self.requests or request_id in self.pinned:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params)
         if arrival is not None:
             request.timings.arrival = arrival
         self.requests[request_id] = request
-        self.scheduler.add(request)
         return request
+
+    # ---- disaggregation hooks (called on the engine thread by a handoff connector) -------------
+    def reserve_for_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                              num_kv_tokens: int, arrival: float | None = None) -> list[int] | None:
+        """Allocate blocks for `num_kv_tokens` of K/V that another worker will deliver; the request
+        waits in WAITING_FOR_KV. Returns the block ids, or None (nothing changed) if the pool is
+        too full right now."""
+        assert 0 <= num_kv_tokens < len(prompt_token_ids)
+        self.validate(prompt_token_ids, params)
+        need = self.scheduler.blocks_for(num_kv_tokens)
+        if need > self.pool.num_free:
+            return None
+        request = self._new_request(request_id, prompt_token_ids, params, arrival)
+        request.block_table = self.pool.allocate(need)
+        request.state = RequestState.WAITING_FOR_KV
+        self.scheduler.add(request)
+        return list(request.block_table)
+
+    def kv_ready(self, request_id: str, num_kv_tokens: int) -> None:
+        """The reserved blocks now hold verified K/V: schedule the request for decoding."""
+        self.scheduler.kv_arrived(self.requests[request_id], num_kv_tokens)
+
+    def kv_failed(self, request_id: str, recompute: bool, reason: str) -> RequestOutput | None:
+        """The K/V will not arrive (or failed verification). Either recompute the prompt here, or end
+        the request with an error naming `reason`. Only call once no transfer can still touch the
+        blocks: they go back to the pool."""
+        request = self.requests[request_id]
+        assert request.state is RequestState.WAITING_FOR_KV
+        if not recompute:
+            return self._finish(request, FinishReason.ERROR, reason)
+        del self.scheduler.waiting_for_kv[request_id]
+        self.pool.free_blocks(request.block_table)
+        request.block_table = []
+        request.state = RequestState.WAITING
+        self.scheduler.add(request)
+        return None
+
+    def release_pinned(self, request_id: str) -> None:
+        """Give back the blocks of a finished prefill-only request (after the handoff or its lease)."""
+        self.pool.free_blocks(self.pinned.pop(request_id))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -116,13 +169,14 @@ class LLMEngine:
         return self._finish(request, FinishReason.ABORT)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._done_at_once)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        done, self._done_at_once = self._done_at_once, []
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
+            return done
         now = time.monotonic()
         for chunk in chunks:
             if chunk.request.timings.first_scheduled is None:
@@ -131,12 +185,17 @@ class LLMEngine:
             logits = self.runner.run(chunks)
         except Exception as exc:       # a failed forward must not take the server down or leak blocks
             log.exception("forward pass failed")
-            return [self._finish(c.request, FinishReason.ERROR, f"forward pass failed: {exc}") for c in chunks]
-        sampling = [c.request for c in chunks if c.completes]
+            return done + [self._finish(c.request, FinishReason.ERROR, f"forward pass failed: {exc}") for c in chunks]
+        sampling = [c.request for c in chunks if c.samples]
+        prefilled = [c.request for c in chunks if c.completes and c.request.prefill_only]
         token_ids = self.sampler.sample(logits, sampling) if sampling else []
         self.scheduler.after_step(chunks)
         now = time.monotonic()
-        return [self._append_token(request, token, now) for request, token in zip(sampling, token_ids)]
+        done += [self._append_token(request, token, now) for request, token in zip(sampling, token_ids)]
+        for request in prefilled:
+            request.timings.first_token = now       # for a prefill worker, "first output" is the KV
+            done.append(self._finish(request, FinishReason.PREFILLED, keep_blocks=True))
+        return done
 
     def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
         if request.timings.first_token is None:
@@ -185,14 +244,19 @@ class LLMEngine:
         return new, False
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
-                new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
-        self.scheduler.finish(request, reason)
+                new_token_ids: list[int] | None = None, new_text: str = "",
+                keep_blocks: bool = False) -> RequestOutput:
+        self.scheduler.finish(request, reason, keep_blocks=keep_blocks)
         self.sampler.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         request.timings.finished = time.monotonic()
-        return RequestOutput(request.request_id, new_token_ids or [], new_text, True, reason.value,
-                             request.num_prompt_tokens, len(request.output_token_ids),
-                             request.num_cached_tokens, request.timings.as_ms(), error)
+        out = RequestOutput(request.request_id, new_token_ids or [], new_text, True, reason.value,
+                            request.num_prompt_tokens, len(request.output_token_ids),
+                            request.num_cached_tokens, request.timings.as_ms(), error)
+        if keep_blocks:
+            self.pinned[request.request_id] = request.block_table
+            out.kv_block_ids, out.num_kv_tokens = list(request.block_table), request.num_computed_tokens
+        return out
 
     # ---- offline use --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -15,6 +15,7 @@ class RequestState(Enum):
 
 class FinishReason(str, Enum):
     STOP = "stop"               # eos, stop token or stop string
+    PREFILLED = "prefilled"     # prefill-only request: its KV is computed and pinned for a handoff
     LENGTH = "length"           # max_tokens or the context limit
     ABORT = "abort"             # cancelled (client gone, shutdown)
     ERROR = "error"             # the engine could not complete it
@@ -81,6 +82,9 @@ class Request:
     num_cached_tokens: int = 0          # of those, how many came from the prefix cache
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)    # chain hashes of full computed blocks
+    # Disaggregation: a prefill-only request computes the KV of all prompt tokens but the last (the
+    # decode side computes that one and samples the first token), then finishes with its blocks pinned.
+    prefill_only: bool = False
     finish_reason: FinishReason | None = None
     timings: Timings = field(default_factory=lambda: Timings(arrival=time.monotonic()))
     # Detokenization state (see engine.detokenize): text already emitted, and held back text.
@@ -94,6 +98,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Tokens whose K/V must be computed before this request samples (or, prefill-only, hands off)."""
+        return self.num_prompt_tokens - 1 if self.prefill_only else self.num_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -117,3 +126,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     timings: dict | None = None         # set on the final output (Timings.as_ms)
     error: str | None = None            # set when finish_reason is "error"
+    kv_block_ids: list[int] | None = None   # finish_reason "prefilled": the pinned blocks holding the KV
+    num_kv_tokens: int = 0                  # ... and how many tokens of K/V they hold

@@ -28,8 +28,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one step. Returns logits [n, vocab] for the chunks that complete their request
-        (those sample a token), in the order they appear in `chunks`."""
+        """Run one step. Returns logits [n, vocab] for the chunks that sample a token, in the order
+        they appear in `chunks`."""
         prefills = [c for c in chunks if c.num_new_tokens > 1]
         decodes = [c for c in chunks if c.num_new_tokens == 1]
         bs = self.block_size
@@ -52,7 +52,7 @@ class ModelRunner:
         if decodes:
             self._decode_metadata(meta, decodes)
         hidden = self.model(torch.tensor(token_ids, device=self.device), pos.to(self.device), meta, self.kv_cache)
-        rows = [last_row[id(c)] for c in chunks if c.completes]
+        rows = [last_row[id(c)] for c in chunks if c.samples]
         return self.model.logits(hidden[rows])
 
     def _decode_metadata(self, meta: BatchMetadata, decodes: list[ScheduledChunk]) -> None:

@@ -24,8 +24,12 @@ class ScheduledChunk:
 
     @property
     def completes(self) -> bool:
-        """This chunk reaches the request's last token, so the step samples a new one for it."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """This chunk reaches the request's target: the step samples for it (or, prefill-only, hands off)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_target_tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.completes and not self.request.prefill_only
 
 
 class Scheduler:
@@ -53,14 +57,14 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decoding = [r for r in self.running if r.num_target_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_target_tokens - r.num_computed_tokens > 1]
         for request in decoding + prefilling:
             if budget == 0:
                 break
             if request.state is not RequestState.RUNNING:
                 continue                # preempted earlier in this loop to make room
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_target_tokens - request.num_computed_tokens, budget)
             if not self._grow(request, num_new):
                 preempted = True
                 continue
@@ -72,7 +76,7 @@ class Scheduler:
             request = self.waiting[0]
             if not request.block_table:
                 self._match_prefix(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_target_tokens - request.num_computed_tokens, budget)
             need = self.blocks_for(request.num_computed_tokens + num_new) - len(request.block_table)
             if need > self.pool.num_free:
                 self._release(request)      # admission control: wait until blocks free up
@@ -106,9 +110,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _match_prefix(self, request: Request) -> None:
-        # Never match the last token: it must be computed to produce logits, and new tokens must
-        # land in blocks this request owns alone.
-        hashes = hash_chain(request.all_token_ids[:request.num_tokens - 1], self.pool.block_size)
+        # Never match the last target token: at least one token must be computed (to produce logits,
+        # or to finish a prefill-only request), and new tokens must land in blocks this request owns alone.
+        hashes = hash_chain(request.all_token_ids[:request.num_target_tokens - 1], self.pool.block_size)
         request.block_table = self.pool.match_prefix(hashes)
         request.num_computed_tokens = request.num_cached_tokens = len(request.block_table) * self.pool.block_size
 
@@ -136,14 +140,26 @@ class Scheduler:
             for index in range(first_full, last_full):
                 self.pool.register(request.block_table[index], hashes[index])
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
+    def finish(self, request: Request, reason: FinishReason, keep_blocks: bool = False) -> None:
+        """Take the request out of its queue; free its blocks unless the caller now owns them."""
         if request.state is RequestState.RUNNING:
             self.running.remove(request)
         elif request.state is RequestState.WAITING:
             self.waiting.remove(request)
         elif request.state is RequestState.WAITING_FOR_KV:
             del self.waiting_for_kv[request.request_id]
-        self._release(request)
+        if not keep_blocks:
+            self._release(request)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
+
+    def kv_arrived(self, request: Request, num_tokens: int) -> None:
+        """A WAITING_FOR_KV request's blocks now hold `num_tokens` of K/V: queue it for decoding."""
+        assert request.state is RequestState.WAITING_FOR_KV
+        assert len(request.block_table) >= self.blocks_for(num_tokens)
+        del self.waiting_for_kv[request.request_id]
+        request.num_computed_tokens = 0
+        self.after_step([ScheduledChunk(request, num_tokens)])     # publishes its full blocks
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
 
