@@ -323,7 +323,9 @@ class TransferAgent:
         if p.nbytes <= INLINE_COPY_BYTES:
             run()
         else:
-            self._copier.submit(run)
+            job = shm.CopyJob(run)
+            handle._on_wait = job.run_unless_claimed
+            self._copier.submit(job)
 
     def _post_nixl(self, op: Op, peer: Peer, p: Plan, local_regions: list[Region], grants: dict, handle: Handle,
                    notify: bytes) -> None:

@@ -37,6 +37,7 @@ class Handle:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._poller = poller               # for backends that complete only when asked (nixl)
+        self._on_wait: Callable[[], None] | None = None   # lets a waiting caller do the work itself (shm)
 
     def __repr__(self) -> str:
         return f"<Handle {self.describe()} {self._state.value}>"
@@ -60,6 +61,8 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Handle:
         """Block until done; raise TransferError if it failed, TransferTimeout if `timeout` passes."""
+        if self._on_wait is not None:
+            self._on_wait()
         if self._poller is None:
             finished = self._event.wait(timeout)
         else:

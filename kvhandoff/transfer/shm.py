@@ -110,15 +110,32 @@ def _outside(side, arrays: list[np.ndarray]) -> bool:
     return bool((ends > [a.size for a in arrays]).any() or (side.offset < 0).any())
 
 
+class CopyJob:
+    """A copy that runs once, on whichever thread claims it first: the worker, or a caller that
+    starts waiting before the worker got to it (then the copy costs no thread hand-off at all)."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self._fn = fn
+        self._claimed = False
+        self._lock = threading.Lock()
+
+    def run_unless_claimed(self) -> None:
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed = True
+        self._fn()
+
+
 class CopyWorker:
     """One thread that runs large copies, so read()/write() return at once like on every backend."""
 
     def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: CopyJob) -> None:
         self._jobs.put(job)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -129,6 +146,6 @@ class CopyWorker:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                job()
+                job.run_unless_claimed()
             except Exception:                       # jobs report their own errors; never die silently
                 log.exception("copy job failed")
