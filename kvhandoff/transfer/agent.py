@@ -71,7 +71,8 @@ class TransferAgent:
     """One process's end of the data plane. `secret` is shared by every agent that may talk to this
     one; `backend` "auto" picks shm or tcp per transfer, "shm"/"tcp" force one, "nixl" sends through
     NIXL (peers need it too). The server listens on `listen_host` (loopback by default); a peer that
-    moves no byte for `peer_timeout_s` is declared dead (we ping every `heartbeat_s` when idle)."""
+    moves no byte for `peer_timeout_s` is declared dead (we ping every `heartbeat_s` when idle).
+    `shm_dir` holds allocated regions: a huge-page tmpfs there doubles shm speed (see memory.py)."""
 
     def __init__(self, name: str, secret: bytes | str, backend: str = "auto", listen_host: str = "127.0.0.1",
                  listen_port: int = 0, *, advertise_host: str | None = None, shm_dir: str = SHM_DIR,

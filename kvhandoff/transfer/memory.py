@@ -1,13 +1,19 @@
 """Registered memory: a tensor, array or buffer seen as one flat byte array, and shared-memory
 segments in /dev/shm that a peer on the same host can map.
 
-Segments are files (in /dev/shm, or `shm_dir`: e.g. a tmpfs mounted with huge=within_size for huge
-pages) created with mode 0600 (only our user can map them) and fully reserved up front,
-so a full /dev/shm fails at allocation instead of as SIGBUS on first touch. Their names carry the
-creator's pid namespace, pid and process start time: an owner that exits normally unlinks them, and
-after a crash anyone who finds a segment whose creator is gone (every agent at start, and a peer that
-saw its owner die) removes it. We chose this over unlink-once-mapped because peers map segments long
-after they are created (whenever they connect), so the name must live as long as the owner does.
+Segments are files in /dev/shm (or `shm_dir`) created with mode 0600 (only our user can map them) and
+fully reserved up front, so a full /dev/shm fails at allocation instead of as SIGBUS on first touch.
+Their names carry the creator's pid namespace, pid and process start time: an owner that exits
+normally unlinks them, and after a crash anyone who finds a segment whose creator is gone (every
+agent at start, and a peer that saw its owner die) removes it. We chose this over unlink-once-mapped
+because peers map segments long after they are created (whenever they connect), so the name must
+live as long as the owner does.
+
+Huge pages matter: /dev/shm is usually a tmpfs with huge=never, so segments get 4 KiB pages, and on a
+VM copying 256 KiB blocks between such pages measured at about half the speed of huge-page memory
+(7 vs 13.5 GB/s; same copy, same machine). Point `shm_dir` at a tmpfs mounted with huge=within_size,
+or remount /dev/shm with huge=advise (we madvise every mapping), and the shm backend runs at memcpy
+speed.
 """
 from __future__ import annotations
 
