@@ -4,10 +4,12 @@ plus the p50/p99 latency of one 4 KiB operation.
 
 Each transfer moves `total` bytes as blocks scattered with a stride (every other block of a pool
 twice that size, on both sides), like the blocks of a paged KV pool, so nothing coalesces and every
-block is a descriptor on the wire. memcpy copies the very same blocks between two private arrays; the
-sendmsg stream gathers the same blocks into one socket and receives them contiguously: what a
-hand-written loopback transfer would reach. Measurements alternate (memcpy, sendmsg, each backend)
-within every repeat after a warm-up, and ratios are medians of per-repeat ratios (MEASURING.md).
+block is a descriptor on the wire. memcpy copies the same block pattern between two private arrays,
+and again between the very buffers the transfers use; the sendmsg streams gather the same blocks
+into one socket and receive them contiguously, from the target (pull, a READ's direction) and to it
+(push, a WRITE's): what a hand-written loopback transfer would reach. Measurements alternate within
+every repeat after a warm-up, each from cold caches, and ratios are medians of per-repeat ratios
+(MEASURING.md).
 """
 from __future__ import annotations
 
@@ -50,37 +52,61 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------- baselines
 
 def serve_stream(total: int, block: int) -> int:
-    """Listen on loopback; on each byte received, gather-send `total` bytes in strided blocks. -> port."""
+    """Listen on loopback for one StreamClient; returns the port. Per command byte: b"g", gather-send
+    `total` bytes in strided blocks (like a READ's reply); b"p", receive `total` bytes contiguously,
+    then answer one byte (like a WRITE)."""
     listener = socket.create_server(("127.0.0.1", 0))
     pool = memoryview(np.ones(2 * total, np.uint8))
     blocks = [pool[2 * i * block:2 * i * block + block] for i in range(total // block)]
+    sink = memoryview(np.zeros(total, np.uint8))
 
     def serve() -> None:
         conn, _ = listener.accept()
         listener.close()
         tune(conn, None)
         with conn:
-            while conn.recv(1):
-                send_buffers(conn, blocks)
+            while command := conn.recv(1):
+                if command == b"g":
+                    send_buffers(conn, blocks)
+                else:
+                    _recv_all(conn, sink)
+                    conn.sendall(b"k")
     threading.Thread(target=serve, name="bench-stream", daemon=True).start()
     return listener.getsockname()[1]
 
 
+def _recv_all(sock: socket.socket, buf: memoryview) -> None:
+    got, n = 0, len(buf)
+    while got < n:
+        k = sock.recv_into(buf[got:])
+        if k == 0:
+            raise ConnectionError("stream peer closed")
+        got += k
+
+
 class StreamClient:
-    def __init__(self, port: int, total: int):
+    """The raw baseline: one loopback TCP stream to the target process, no protocol at all."""
+
+    def __init__(self, port: int, total: int, block: int):
         self.sock = socket.create_connection(("127.0.0.1", port))
         tune(self.sock, None)
         self.buf = memoryview(np.zeros(total, np.uint8))
+        pool = memoryview(np.ones(2 * total, np.uint8))
+        self.blocks = [pool[2 * i * block:2 * i * block + block] for i in range(total // block)]
 
-    def run(self) -> float:
+    def pull(self) -> float:
+        """Seconds to receive `total` bytes the target gathers and sends (a READ's direction)."""
         t0 = time.perf_counter()
         self.sock.sendall(b"g")
-        got, n = 0, len(self.buf)
-        while got < n:
-            k = self.sock.recv_into(self.buf[got:])
-            if k == 0:
-                raise ConnectionError("stream server closed")
-            got += k
+        _recv_all(self.sock, self.buf)
+        return time.perf_counter() - t0
+
+    def push(self) -> float:
+        """Seconds to gather-send `total` bytes to the target until it has them all (a WRITE's direction)."""
+        t0 = time.perf_counter()
+        send_buffers(self.sock, [b"p", *self.blocks])
+        if self.sock.recv(1) != b"k":
+            raise ConnectionError("stream peer closed")
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -149,13 +175,14 @@ def run(cfg: BenchConfig) -> dict:
             loads[block] = [round(x, 2) for x in os.getloadavg()]
             log(f"bench-transfer: {block // KIB} KiB blocks (load {loads[block][0]})")
             descs = DescList.blocks("kv", range(0, 2 * (total // block), 2), block)
-            stream = StreamClient(target.call("stream_serve", total, block), total)
+            stream = StreamClient(target.call("stream_serve", total, block), total, block)
 
             def measure() -> dict[tuple[str, str, int], float]:
                 # Each measurement starts from the same cold cache: otherwise whatever ran just before
                 # (a stream that swept the caches, or a copy of the same buffers) tilts the next one.
                 out = {("memcpy", "-", block): flushed(lambda: memcpy_run(src, dst, block, total)),
-                       ("sendmsg", "-", block): flushed(stream.run)}
+                       ("sendmsg", "read", block): flushed(stream.pull),
+                       ("sendmsg", "write", block): flushed(stream.push)}
                 if same is not None:
                     out[("memcpy-same", "-", block)] = flushed(lambda: memcpy_run(*same, block, total))
                 for b, agent in agents.items():
@@ -228,7 +255,7 @@ def _report(cfg: BenchConfig, backends: list[str], skipped: dict, seconds: dict,
                 ratios.append({"backend": b, "op": op, "block_bytes": block,
                                "vs_memcpy": round(ratio((b, op, block), ("memcpy", "-", block)), 3),
                                "vs_memcpy_same_memory": round(ratio((b, op, block), ("memcpy-same", "-", block)), 3),
-                               "vs_sendmsg": round(ratio((b, op, block), ("sendmsg", "-", block)), 3)})
+                               "vs_sendmsg": round(ratio((b, op, block), ("sendmsg", op, block)), 3)})
     for (b, op), times in latency.items():
         s = sorted(times)
         results.append({"backend": b, "op": op, "block_bytes": LATENCY_BYTES,
@@ -238,7 +265,8 @@ def _report(cfg: BenchConfig, backends: list[str], skipped: dict, seconds: dict,
         "memcpy_gbps": {b: round(gbps[("memcpy", "-", b)], 3) for b in BLOCK_SIZES},
         "memcpy_same_memory_gbps": {b: round(gbps[("memcpy-same", "-", b)], 3) for b in BLOCK_SIZES
                                     if ("memcpy-same", "-", b) in gbps},
-        "sendmsg_gbps": {b: round(gbps[("sendmsg", "-", b)], 3) for b in BLOCK_SIZES},
+        "sendmsg_gbps": {b: round(gbps[("sendmsg", "read", b)], 3) for b in BLOCK_SIZES},
+        "sendmsg_push_gbps": {b: round(gbps[("sendmsg", "write", b)], 3) for b in BLOCK_SIZES},
         "results": results,
         "ratios": ratios,
         "skipped": skipped,
@@ -272,7 +300,8 @@ def format_table(report: dict) -> str:
              f"commit {report['config']['git_commit']}, load avg before {report['loadavg_before']} "
              f"after {report['loadavg_after']}",
              "x memcpy: against memcpy between private arrays; x same mem: against memcpy between the buffers "
-             "the transfers use; ratios are medians of per-repeat ratios",
+             "the transfers use; x sendmsg: against a raw stream in the same direction (pull for read, push "
+             "for write); ratios are medians of per-repeat ratios",
              f"{'backend':<8} {'op':<6} {'block':>8} {'GB/s':>7} {'x memcpy':>9} {'x same mem':>11} {'x sendmsg':>10} "
              f"{'p50 us':>9} {'p99 us':>9}"]
     ratios = {(r["backend"], r["op"], r["block_bytes"]): r for r in report["ratios"]}
@@ -281,7 +310,8 @@ def format_table(report: dict) -> str:
         lines.append(f"{'memcpy':<8} {'-':<6} {_size(block):>8} {report['memcpy_gbps'][block]:>7.2f}")
         if block in same:
             lines.append(f"{'memcpy':<8} {'same':<6} {_size(block):>8} {same[block]:>7.2f}")
-        lines.append(f"{'sendmsg':<8} {'-':<6} {_size(block):>8} {report['sendmsg_gbps'][block]:>7.2f}")
+        lines.append(f"{'sendmsg':<8} {'pull':<6} {_size(block):>8} {report['sendmsg_gbps'][block]:>7.2f}")
+        lines.append(f"{'sendmsg':<8} {'push':<6} {_size(block):>8} {report['sendmsg_push_gbps'][block]:>7.2f}")
         for r in report["results"]:
             if r["block_bytes"] == block:
                 q = ratios[(r["backend"], r["op"], block)]
