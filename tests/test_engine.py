@@ -265,3 +265,21 @@ def test_reserve_refuses_when_pool_is_full(prompts):
     assert decode.num_free_blocks == 5 and "big" not in decode.requests
     decode.kv_failed("first", recompute=False, reason="test over")
     assert decode.num_free_blocks == 12
+
+
+def test_abort_while_waiting_for_kv_sets_blocks_aside_until_settled(prompts):
+    decode = make_engine(num_blocks=64)
+    decode.reserve_for_remote_kv("gone", prompts[3], GREEDY, len(prompts[3]) - 1)
+    out = decode.abort("gone")
+    assert out.finish_reason == "abort"
+    # The transfer into those blocks has not settled: they must not be handed to anyone yet.
+    assert decode.num_free_blocks == 64 - 4 and decode.quarantine["gone"]
+    decode.kv_ready("gone", len(prompts[3]) - 1)       # the transfer lands after all: just free
+    assert decode.num_free_blocks == 64 and not decode.quarantine
+    # A peer that went quiet: give up (recompute elsewhere in the pool), free when it settles.
+    decode.reserve_for_remote_kv("quiet", prompts[3], GREEDY, len(prompts[3]) - 1)
+    assert decode.kv_failed("quiet", recompute=True, reason="watchdog", settled=False) is None
+    _, done = run_until_finished(decode, "quiet")
+    assert done.finish_reason == "length" and decode.num_free_blocks == 64 - 4
+    decode.settle("quiet")
+    assert decode.num_free_blocks == 64

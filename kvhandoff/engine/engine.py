@@ -65,6 +65,9 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, cfg.seed)
         self.requests: dict[str, Request] = {}
         self.pinned: dict[str, list[int]] = {}          # prefill-only request id -> blocks held for a handoff
+        # Reserved blocks a transfer may still write into although their request is gone (aborted,
+        # or given up on): they return to the pool only when the transfer settles.
+        self.quarantine: dict[str, list[int]] = {}
         self._done_at_once: list[RequestOutput] = []    # finished at admission, reported by the next step
         log.info("engine ready: model=%s device=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV)",
                  self.served_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
@@ -140,23 +143,44 @@ class LLMEngine:
         return list(request.block_table)
 
     def kv_ready(self, request_id: str, num_kv_tokens: int) -> None:
-        """The reserved blocks now hold verified K/V: schedule the request for decoding."""
-        self.scheduler.kv_arrived(self.requests[request_id], num_kv_tokens)
+        """The reserved blocks now hold verified K/V: schedule the request for decoding. (If it was
+        aborted meanwhile, its blocks were only waiting for the transfer to settle: free them.)"""
+        request = self.requests.get(request_id)
+        if request is None:
+            self.settle(request_id)
+            return
+        self.scheduler.kv_arrived(request, num_kv_tokens)
 
-    def kv_failed(self, request_id: str, recompute: bool, reason: str) -> RequestOutput | None:
-        """The K/V will not arrive (or failed verification). Either recompute the prompt here, or end
-        the request with an error naming `reason`. Only call once no transfer can still touch the
-        blocks: they go back to the pool."""
-        request = self.requests[request_id]
+    def kv_failed(self, request_id: str, recompute: bool, reason: str, settled: bool = True) -> RequestOutput | None:
+        """The K/V will not arrive, or failed verification: recompute the prompt here, or end the
+        request with an error naming `reason`. `settled=False` when a transfer might still write into
+        the reserved blocks (a peer that went quiet): they stay out of the pool until settle()."""
+        request = self.requests.get(request_id)
+        if request is None:                 # aborted while waiting: nothing left but the blocks
+            if settled:
+                self.settle(request_id)
+            return None
         assert request.state is RequestState.WAITING_FOR_KV
+        self._set_aside(request, settled)
         if not recompute:
             return self._finish(request, FinishReason.ERROR, reason)
         del self.scheduler.waiting_for_kv[request_id]
-        self.pool.free_blocks(request.block_table)
-        request.block_table = []
         request.state = RequestState.WAITING
         self.scheduler.add(request)
         return None
+
+    def settle(self, request_id: str) -> None:
+        """No transfer can touch this request's reserved blocks any more: free them if set aside."""
+        blocks = self.quarantine.pop(request_id, None)
+        if blocks:
+            self.pool.free_blocks(blocks)
+
+    def _set_aside(self, request: Request, settled: bool) -> None:
+        if not settled:
+            self.quarantine[request.request_id] = request.block_table
+        else:
+            self.pool.free_blocks(request.block_table)
+        request.block_table = []
 
     def release_pinned(self, request_id: str) -> None:
         """Give back the blocks of a finished prefill-only request (after the handoff or its lease)."""
@@ -166,6 +190,9 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if request.state is RequestState.WAITING_FOR_KV:
+            # A transfer may be writing into its blocks right now: set them aside until it settles.
+            self._set_aside(request, settled=False)
         return self._finish(request, FinishReason.ABORT)
 
     def has_work(self) -> bool:

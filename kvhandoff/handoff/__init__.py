@@ -1,0 +1,1 @@
+"""KV handoff between prefill and decode workers: layouts, leases, connectors (see docs/HANDOFF.md)."""
