@@ -44,7 +44,9 @@ def pick_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, kv_allocator=None):
+        """`kv_allocator(nbytes) -> uint8 tensor`, if given, provides the KV pool's memory (a worker
+        passes its transfer agent's shared-memory allocator so peers can copy blocks directly)."""
         self.cfg = cfg
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
@@ -60,7 +62,8 @@ class LLMEngine:
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // self.block_bytes)
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.pool)
-        self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size)
+        kv_memory = None if kv_allocator is None else kv_allocator(num_blocks * self.block_bytes)
+        self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size, kv_memory)
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.sampler = Sampler(self.eos_token_ids, cfg.seed)
         self.requests: dict[str, Request] = {}

@@ -27,12 +27,21 @@ class _Submit:
     params: SamplingParams
     on_output: OutputCallback
     arrival: float
+    prefill_only: bool = False
+    num_remote_kv_tokens: int | None = None                 # set: K/V will arrive from another worker
+    on_reserved: Callable[[list[int]], None] | None = None  # engine thread: the blocks it will arrive in
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], object]
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._inbox: list[_Submit | str] = []       # submissions, or request ids to abort
+        self._inbox: list[_Submit | _Call | str] = []   # submissions, calls, or request ids to abort
+        self._reservations: list[_Submit] = []          # remote-KV requests waiting for free blocks
         self._wake = threading.Condition()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
@@ -51,25 +60,43 @@ class EngineLoop:
             self._thread.join(timeout)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               on_output: OutputCallback) -> None:
+               on_output: OutputCallback, prefill_only: bool = False) -> None:
         """Queue a request. Raises ValueError (a message for the client) if it can never be served."""
         self.engine.validate(prompt_token_ids, params)     # reads only immutable engine facts
+        self._post(_Submit(request_id, list(prompt_token_ids), params, on_output, time.monotonic(), prefill_only))
+
+    def submit_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      num_kv_tokens: int, on_output: OutputCallback,
+                      on_reserved: Callable[[list[int]], None]) -> None:
+        """Queue a request whose first `num_kv_tokens` of K/V another worker delivers. As soon as the
+        pool has room, blocks are reserved and `on_reserved(block_ids)` runs on the engine thread;
+        the caller then fills them and calls engine.kv_ready / kv_failed (through call())."""
+        self.engine.validate(prompt_token_ids, params)
+        self._post(_Submit(request_id, list(prompt_token_ids), params, on_output, time.monotonic(),
+                           num_remote_kv_tokens=num_kv_tokens, on_reserved=on_reserved))
+
+    def call(self, fn: Callable[[], object]) -> None:
+        """Run `fn()` on the engine thread between steps (the only thread that may touch the engine)."""
+        self._post(_Call(fn))
+
+    def abort(self, request_id: str) -> None:
+        self._post(request_id)
+
+    def _post(self, item) -> None:
         with self._wake:
             if self._stopping or self.fatal_error:
                 raise RuntimeError(self.fatal_error or "the engine is shutting down")
-            self._inbox.append(_Submit(request_id, list(prompt_token_ids), params, on_output, time.monotonic()))
-            self._wake.notify()
-
-    def abort(self, request_id: str) -> None:
-        with self._wake:
-            self._inbox.append(request_id)
+            self._inbox.append(item)
             self._wake.notify()
 
     def stats(self) -> dict:
         engine = self.engine
         return {"num_free_blocks": engine.num_free_blocks, "num_blocks": engine.num_blocks,
                 "block_size": engine.block_size, "num_running": len(engine.scheduler.running),
-                "num_waiting": len(engine.scheduler.waiting), "num_preemptions": engine.scheduler.num_preemptions,
+                "num_waiting": len(engine.scheduler.waiting) + len(self._reservations),
+                "num_waiting_for_kv": len(engine.scheduler.waiting_for_kv),
+                "num_pinned_handoffs": len(engine.pinned), "num_quarantined": len(engine.quarantine),
+                "num_preemptions": engine.scheduler.num_preemptions,
                 "prefix_cache_hits": engine.pool.hits, "prefix_cache_queries": engine.pool.queries}
 
     # ---- the thread ---------------------------------------------------------------------------
@@ -94,11 +121,14 @@ class EngineLoop:
         while True:
             with self._wake:
                 while not self._inbox and not self._stopping and not self.engine.has_work():
+                    # Reservations retry when blocks may have come back, i.e. after something ran;
+                    # an idle engine frees nothing, but a call() (a release) may: it wakes us.
                     self._wake.wait()
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []
             outputs = [out for item in inbox if (out := self._apply(item)) is not None]
+            outputs += self._reserve()
             if self.engine.has_work():
                 outputs += self.engine.step()
                 self.num_steps += 1
@@ -106,17 +136,49 @@ class EngineLoop:
         # Shutdown: end everything still in flight so callers are not left waiting.
         self._deliver([out for rid in list(self.engine.requests) if (out := self.engine.abort(rid))])
 
-    def _apply(self, item: _Submit | str) -> RequestOutput | None:
+    def _apply(self, item: _Submit | _Call | str) -> RequestOutput | None:
         if isinstance(item, str):
+            waiting = next((r for r in self._reservations if r.request_id == item), None)
+            if waiting is not None:         # never reserved: nothing to free
+                self._reservations.remove(waiting)
+                self._callbacks.pop(item, None)
+                return RequestOutput(item, [], "", True, "abort", len(waiting.prompt_token_ids), 0)
             return self.engine.abort(item)
+        if isinstance(item, _Call):
+            result = item.fn()
+            return result if isinstance(result, RequestOutput) else None
+        if item.num_remote_kv_tokens is not None:
+            self._callbacks[item.request_id] = item.on_output
+            self._reservations.append(item)
+            return None
         try:
-            self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, arrival=item.arrival)
+            self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, arrival=item.arrival,
+                                    prefill_only=item.prefill_only)
         except ValueError as exc:
             item.on_output(RequestOutput(item.request_id, [], "", True, "error", len(item.prompt_token_ids),
                                          0, error=str(exc)))
             return None
         self._callbacks[item.request_id] = item.on_output
         return None
+
+    def _reserve(self) -> list[RequestOutput]:
+        """Reserve blocks for queued remote-KV requests, oldest first, while the pool has room."""
+        outputs = []
+        while self._reservations:
+            item = self._reservations[0]
+            try:
+                blocks = self.engine.reserve_for_remote_kv(item.request_id, item.prompt_token_ids, item.params,
+                                                           item.num_remote_kv_tokens, arrival=item.arrival)
+            except ValueError as exc:
+                self._reservations.pop(0)
+                outputs.append(RequestOutput(item.request_id, [], "", True, "error", len(item.prompt_token_ids),
+                                             0, error=str(exc)))
+                continue
+            if blocks is None:
+                break               # FIFO: later requests wait behind the first, as in the scheduler
+            self._reservations.pop(0)
+            item.on_reserved(blocks)
+        return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

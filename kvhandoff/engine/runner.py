@@ -5,6 +5,8 @@ model attends to the two kinds differently (see kvhandoff.model.llama).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kvhandoff.config import ModelConfig
@@ -17,14 +19,19 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_memory: torch.Tensor | None = None):
         self.model, self.cfg, self.block_size = model, model.cfg, block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         cfg = self.cfg
         # Block-major: a block's K and V for all layers are one contiguous range (one transfer descriptor).
-        self.kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, dtype=self.dtype, device=self.device)
+        shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if kv_memory is None:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        else:   # caller-provided bytes, e.g. a shared-memory region registered with a transfer agent
+            self.kv_cache = kv_memory.view(self.dtype).view(shape)
+        # Called as layer_hook(layer, chunks) after each layer of each step (layer-wise handoff).
+        self.layer_hook: Callable[[int, list[ScheduledChunk]], None] | None = None
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -51,7 +58,10 @@ class ModelRunner:
                              num_prefill_tokens=sum(c.num_new_tokens for c in prefills))
         if decodes:
             self._decode_metadata(meta, decodes)
-        hidden = self.model(torch.tensor(token_ids, device=self.device), pos.to(self.device), meta, self.kv_cache)
+        hook = self.layer_hook
+        on_layer = None if hook is None else (lambda layer: hook(layer, chunks))
+        hidden = self.model(torch.tensor(token_ids, device=self.device), pos.to(self.device), meta, self.kv_cache,
+                            on_layer)
         rows = [last_row[id(c)] for c in chunks if c.samples]
         return self.model.logits(hidden[rows])
 

@@ -209,11 +209,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, meta: BatchMetadata, kv_cache) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: BatchMetadata, kv_cache, on_layer=None) -> torch.Tensor:
+        """`on_layer(i)`, if given, runs once layer i's K/V for this batch are in the pool (layer-wise
+        handoff sends them while later layers compute)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, kv_cache)
+            if on_layer is not None:
+                on_layer(i)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
