@@ -104,7 +104,7 @@ class TransferAgent:
         self._nixl = None
         if backend == "nixl":
             from kvhandoff.transfer.nixl_backend import NixlEngine
-            self._nixl = NixlEngine(name)
+            self._nixl = NixlEngine(name, on_notify=self._deliver)
         self._server = Server(name, self._secret, listen_host, listen_port, regions=lambda: self._by_id,
                               welcome=self._grant_table, on_notify=self._deliver, on_closed=self._inbound_closed,
                               peer_timeout_s=peer_timeout_s, handshake_timeout_s=connect_timeout_s)
@@ -370,7 +370,6 @@ class TransferAgent:
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         """Every notification received so far, as (peer, message), oldest first."""
-        self._pull_nixl_notes()
         with self._notes_cv:
             notes = list(self._notes)
             self._notes.clear()
@@ -380,25 +379,18 @@ class TransferAgent:
         """The oldest notification, waiting up to `timeout` seconds for one; None if none came."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._pull_nixl_notes()
             with self._notes_cv:
                 if self._notes:
                     return self._notes.popleft()
                 left = None if deadline is None else deadline - time.monotonic()
                 if self._closed or (left is not None and left <= 0):
                     return None
-                # nixl's notifications only arrive when asked for: poll them every millisecond.
-                self._notes_cv.wait(left if self._nixl is None else min(left or 1e-3, 1e-3))
+                self._notes_cv.wait(left)
 
     def _deliver(self, peer: str, msg: bytes) -> None:
         with self._notes_cv:
             self._notes.append((peer, msg))
             self._notes_cv.notify_all()
-
-    def _pull_nixl_notes(self) -> None:
-        if self._nixl is not None:
-            for note in self._nixl.notifications():
-                self._deliver(*note)
 
     # ------------------------------------------------------------------------------------- lifecycle
 
