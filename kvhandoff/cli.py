@@ -1,4 +1,4 @@
-"""The `kvhandoff` command: one subcommand per role (serve now; router, up, bench, demo later).
+"""The `kvhandoff` command: one subcommand per role (serve, router, up; bench, demo later).
 
 Each subcommand is a `cmd_*` function registered in `build_parser`; heavy imports (torch, the engine,
 uvicorn) happen inside them so `kvhandoff --help` stays instant. Listeners bind loopback unless told
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 
@@ -60,6 +61,24 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
 
 
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregation (docs/HANDOFF.md)")
+    g.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                   help="both: colocated; prefill/decode: one side of a handoff (default: %(default)s)")
+    g.add_argument("--kv-secret", default=None,
+                   help="deployment secret shared with the router and peers (prefer $KVHANDOFF_SECRET: "
+                        "command lines are visible to other users)")
+    g.add_argument("--kv-backend", default="auto", choices=["auto", "shm", "tcp", "nixl"],
+                   help="KV transfer backend; auto: shm with same-host peers, tcp otherwise (default: %(default)s)")
+    g.add_argument("--kv-host", default=None, help="address the KV agent listens on (default: --host)")
+    g.add_argument("--lease-s", type=float, default=30.0,
+                   help="pull: seconds prefill keeps a prompt's KV for the decode side (default: %(default)s)")
+    g.add_argument("--kv-timeout-s", type=float, default=30.0,
+                   help="push: seconds either side waits for the other (default: %(default)s)")
+    g.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                   help="decode side, when KV cannot be loaded or fails verification (default: %(default)s)")
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -75,11 +94,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvhandoff.engine.loop import EngineLoop
     from kvhandoff.serve.server import EngineInfo, build_app, serve_forever
 
-    engine = LLMEngine(engine_config(args))
+    agent = connector = None
+    if args.role == "both":
+        engine = LLMEngine(engine_config(args))
+    else:
+        from kvhandoff.serve.auth import SECRET_ENV, resolve_secret
+        from kvhandoff.transfer.agent import TransferAgent
+        secret = resolve_secret(args.kv_secret)
+        if not secret:
+            raise SystemExit(f"--role {args.role} needs the deployment secret: --kv-secret or ${SECRET_ENV}")
+        worker_name = f"{args.role}-{args.port}-{os.getpid()}"
+        agent = TransferAgent(worker_name, secret, backend=args.kv_backend, listen_host=args.kv_host or args.host)
+        engine = LLMEngine(engine_config(args), kv_allocator=lambda nbytes: agent.allocate_region("kv", nbytes))
     loop = EngineLoop(engine)
     loop.start()
     try:
         app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model))
+        if agent is not None:
+            from kvhandoff.handoff.connector import Connector, HandoffConfig
+            from kvhandoff.serve.worker import WorkerHandoff, attach_worker_routes
+            connector = Connector(loop, agent, HandoffConfig(args.lease_s, args.kv_timeout_s,
+                                                             args.kv_load_failure_policy), worker_name)
+            attach_worker_routes(app, WorkerHandoff(app.state.server, connector, args.role, secret))
 
         def ready(url: str) -> None:
             print(f"kvhandoff: serving '{engine.served_name}' at {url}/v1 "
@@ -89,8 +125,68 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         loop.stop()
+        if connector is not None:
+            connector.close()
+        if agent is not None:
+            agent.close()       # unlinks the shared-memory KV pool
         log.info("engine stopped")
     return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible front of a disaggregated deployment: sequences prefill and decode workers."""
+    setup_logging(args.log_level)
+    from kvhandoff.serve.auth import SECRET_ENV, resolve_secret
+    from kvhandoff.serve.router import RouterConfig, build_router_app, parse_urls
+    from kvhandoff.serve.server import serve_forever
+
+    secret = resolve_secret(args.kv_secret)
+    if not secret:
+        raise SystemExit(f"kvhandoff router: no deployment secret; set {SECRET_ENV} (or --kv-secret) to the "
+                         "secret its workers were started with")
+    try:
+        config = RouterConfig(prefill_urls=parse_urls(args.prefill), decode_urls=parse_urls(args.decode),
+                              mode=args.mode, secret=secret, request_timeout=args.request_timeout,
+                              health_interval=args.health_interval)
+    except ValueError as e:
+        raise SystemExit(f"kvhandoff router: {e}")
+    app = build_router_app(config)
+
+    def ready(url: str) -> None:
+        print(f"kvhandoff: router ({args.mode}; prefill {','.join(config.prefill_urls)}; decode "
+              f"{','.join(config.decode_urls)}) at {url}/v1 (health {url}/health, metrics {url}/metrics)", flush=True)
+    try:
+        serve_forever(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags the user changed, as words for a worker's command line (threads excepted:
+    the launcher sets them per worker)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    argv = []
+    for action in p._actions:
+        value = getattr(args, action.dest)
+        if action.dest == "threads" or value == action.default:
+            continue
+        argv += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
+    return argv
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Workers and router on this machine in one command; Ctrl-C stops them all. Unknown flags are
+    passed to every worker."""
+    from kvhandoff.serve.launch import LaunchConfig, run
+
+    worker_args = engine_argv(args) + args.extra
+    if args.extra:
+        print(f"kvhandoff up: passing {' '.join(args.extra)} to every worker", flush=True)
+    return run(LaunchConfig(mode=args.mode, worker_args=worker_args, num_prefill=args.prefill,
+                            num_decode=args.decode, host=args.host, port=args.port, threads=args.threads,
+                            log_level=args.log_level, startup_timeout=args.startup_timeout))
 
 
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
@@ -120,7 +216,37 @@ def build_parser() -> argparse.ArgumentParser:
                        description=cmd_serve.__doc__)
     add_engine_args(p)
     add_http_args(p, port=8000)
+    add_worker_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("router", help="the OpenAI-compatible front over prefill and decode workers",
+                       description=cmd_router.__doc__)
+    p.add_argument("--prefill", required=True, metavar="URL[,URL...]", help="prefill workers' base URLs")
+    p.add_argument("--decode", required=True, metavar="URL[,URL...]", help="decode workers' base URLs")
+    p.add_argument("--mode", required=True, choices=["pull", "pull-reader", "push", "push-layerwise"],
+                   help="handoff protocol (docs/HANDOFF.md)")
+    p.add_argument("--kv-secret", default=None,
+                   help="the deployment secret; prefer the environment variable KVHANDOFF_SECRET (a command "
+                        "line is visible to every local user)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take end to end, streams included (default: %(default)s)")
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="seconds between /health polls of the workers, for load-aware picking; 0 = off "
+                        "(default: %(default)s)")
+    add_http_args(p, port=8000)
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("up", help="start workers and router locally in one command",
+                       description=cmd_up.__doc__)
+    p.add_argument("--mode", required=True, choices=["colocated", "pull", "pull-reader", "push", "push-layerwise"],
+                   help="colocated runs one worker on the front port, without a router")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default: %(default)s)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds to wait for every /health (default: %(default)s)")
+    add_engine_args(p)
+    add_http_args(p, port=8000)
+    p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("bench-transfer", help="measure the KV transfer backends (GB/s and 4 KiB latency)",
                        description=cmd_bench_transfer.__doc__)
@@ -147,7 +273,11 @@ def _exit_on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "up":       # only `up` passes flags it does not know on (to workers)
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return args.func(args)

@@ -55,6 +55,7 @@ class SamplingParams:
 class Timings:
     arrival: float = 0.0
     first_scheduled: float | None = None
+    kv_ready: float | None = None       # remote KV verified and queued (decode side of a handoff)
     first_token: float | None = None
     finished: float | None = None
 
@@ -67,6 +68,7 @@ class Timings:
             "ttft_ms": ms(self.arrival, self.first_token),
             "decode_ms": ms(self.first_token, self.finished),
             "total_ms": ms(self.arrival, self.finished),
+            **({"decode_queue_ms": ms(self.kv_ready, self.first_scheduled)} if self.kv_ready else {}),
         }
 
 
@@ -128,3 +130,4 @@ class RequestOutput:
     error: str | None = None            # set when finish_reason is "error"
     kv_block_ids: list[int] | None = None   # finish_reason "prefilled": the pinned blocks holding the KV
     num_kv_tokens: int = 0                  # ... and how many tokens of K/V they hold
+    handoff: dict | None = None             # decode side of a handoff: what the connector reports

@@ -9,6 +9,7 @@ and later recomputed (its blocks go back to the pool, its generated tokens are k
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -158,6 +159,7 @@ class Scheduler:
         assert request.state is RequestState.WAITING_FOR_KV
         assert len(request.block_table) >= self.blocks_for(num_tokens)
         del self.waiting_for_kv[request.request_id]
+        request.timings.kv_ready = time.monotonic()
         request.num_computed_tokens = 0
         self.after_step([ScheduledChunk(request, num_tokens)])     # publishes its full blocks
         request.state = RequestState.WAITING

@@ -46,6 +46,8 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints: OpenAI's, plus the top_k / min_tokens / ignore_eos extensions."""
     model_config = ConfigDict(extra="ignore")
+    # Reserved for the router and workers of a deployment (docs/HANDOFF.md); needs the control token.
+    kv_transfer_params: dict | None = None
 
     model: str | None = None
     temperature: float | None = Field(None, description="0 = greedy; default 1")

@@ -100,6 +100,7 @@ class Server:
         self.loop, self.info = loop, info
         self.metrics = Metrics()
         self.active: dict[str, RequestStream] = {}
+        self.handoff = None     # kvhandoff.serve.worker.WorkerHandoff on a prefill or decode worker
 
     # -- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -146,12 +147,28 @@ class Server:
         return ids
 
     # -- engine I/O ---------------------------------------------------------------------------------
-    def open_stream(self, endpoint: str, rid: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    async def open_stream(self, endpoint: str, rid: str, prompt_ids: list[int], params: SamplingParams,
+                          kv=None) -> RequestStream:
         def on_finished(out: RequestOutput) -> None:
             self.metrics.finished(endpoint, out)
-        stream = RequestStream(self.loop, rid, on_finished).submit(prompt_ids, params)
+        stream = RequestStream(self.loop, rid, on_finished)
+        if kv is None:
+            stream.submit(prompt_ids, params)
+        else:           # decode side of a handoff: the KV comes from a prefill worker
+            await self.handoff.submit_decode(kv, stream, prompt_ids, params)
         self.active[rid] = stream
         return stream
+
+    async def kv_route(self, req, request: Request, prompt_ids: list[int]):
+        """For a request carrying kv_transfer_params: authenticate it and return (kv, prompt_ids) —
+        the decode side of a pull uses the prefill's token ids, never its own tokenization."""
+        if req.kv_transfer_params is None:
+            return None, prompt_ids
+        if self.handoff is None:
+            raise P.APIError(400, "this worker runs colocated (--role both) and takes no handoffs",
+                             param="kv_transfer_params")
+        kv = self.handoff.parse(req.kv_transfer_params, request)
+        return kv, (kv.remote_prompt_ids or prompt_ids)
 
     def release(self, stream: RequestStream) -> None:
         stream.close()
@@ -197,6 +214,8 @@ class Server:
                 c = chunk(out)
                 if out.finished:
                     c["timings"] = out.timings
+                    if out.handoff is not None:
+                        c["handoff"] = out.handoff
                 yield sse_event(c)
                 if out.finished and usage_chunk is not None:
                     usage_chunk.update(usage=P.usage(out.num_prompt_tokens, out.num_output_tokens,
@@ -210,12 +229,14 @@ class Server:
     async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         req.check_supported()
-        prompt_ids = self.completion_prompt(req)
+        kv, prompt_ids = await self.kv_route(req, request, self.completion_prompt(req))
         max_tokens = self.check_length(len(prompt_ids), req.max_tokens if req.max_tokens is not None else 16,
                                        "prompt")
         params = req.sampling_params(max_tokens)
-        rid, created, model = P.new_id("cmpl"), P.now(), self.info.served_name
-        stream = self.open_stream(COMPLETIONS, rid, prompt_ids, params)
+        if kv is not None and kv.role == "prefill":
+            return await self.handoff.prefill(kv, request, prompt_ids, params)
+        rid, created, model = (kv.handoff_id if kv else P.new_id("cmpl")), P.now(), self.info.served_name
+        stream = await self.open_stream(COMPLETIONS, rid, prompt_ids, params, kv)
         if req.stream:
             usage_chunk = ({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": []} if req.include_usage else None)
@@ -227,19 +248,21 @@ class Server:
         if result is None:
             return Response(status_code=499)   # nobody is listening; nginx's "client closed request"
         text, final = result
-        return engine_failure(final) or JSONResponse(P.completion_response(
+        return engine_failure(final) or JSONResponse(with_handoff(P.completion_response(
             rid, created, model, text, final.finish_reason,
-            P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens), final.timings))
+            P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens), final.timings), final))
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         req.check_supported()
-        prompt_ids = self.chat_prompt(req)
+        kv, prompt_ids = await self.kv_route(req, request, self.chat_prompt(req))
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.check_length(len(prompt_ids), req.requested_max_tokens, "messages", max_field)
         params = req.sampling_params(max_tokens)
-        rid, created, model = P.new_id("chatcmpl"), P.now(), self.info.served_name
-        stream = self.open_stream(CHAT, rid, prompt_ids, params)
+        if kv is not None and kv.role == "prefill":
+            return await self.handoff.prefill(kv, request, prompt_ids, params)
+        rid, created, model = (kv.handoff_id if kv else P.new_id("chatcmpl")), P.now(), self.info.served_name
+        stream = await self.open_stream(CHAT, rid, prompt_ids, params, kv)
         if req.stream:
             # OpenAI's first chunk announces the role; content follows in later deltas.
             first = [P.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})]
@@ -254,9 +277,15 @@ class Server:
         if result is None:
             return Response(status_code=499)
         text, final = result
-        return engine_failure(final) or JSONResponse(P.chat_response(
+        return engine_failure(final) or JSONResponse(with_handoff(P.chat_response(
             rid, created, model, text, final.finish_reason,
-            P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens), final.timings))
+            P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens), final.timings), final))
+
+
+def with_handoff(body: dict, final: RequestOutput) -> dict:
+    if final.handoff is not None:
+        body["handoff"] = final.handoff
+    return body
 
 
 def engine_failure(final: RequestOutput) -> JSONResponse | None:
@@ -418,7 +447,8 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        stats = {"model": engine_info.served_name, **loop.stats()}
+        stats = {"model": engine_info.served_name, "role": srv.handoff.role if srv.handoff else "both",
+                 **loop.stats()}
         if not loop.is_alive():
             return JSONResponse({"status": "error", "error": loop.fatal_error or "engine loop stopped", **stats},
                                 status_code=503)
@@ -426,6 +456,8 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        if srv.handoff is not None:
+            srv.handoff.sync_counters()
         return Response(srv.metrics.render(loop.stats()), media_type=CONTENT_TYPE)
 
     return app

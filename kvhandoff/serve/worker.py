@@ -1,0 +1,234 @@
+"""A prefill or decode worker: the HTTP side of the handoff (docs/HANDOFF.md).
+
+It authenticates `kv_transfer_params` and `/kv/*` with the control token, does the blocking parts of a
+handoff (peer handshakes, the push registration POST) in asyncio or its executor, and hands the rest
+to the Connector, which owns the engine-side and transfer-side work.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import Counter, Histogram
+
+from kvhandoff.engine.request import SamplingParams
+from kvhandoff.handoff.connector import MODES, PULL_MODES, Connector, HandoffError
+from kvhandoff.serve import protocol as P
+from kvhandoff.serve.auth import check_control, control_headers
+from kvhandoff.serve.server import RequestStream, Server
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class KVRequest:
+    handoff_id: str
+    mode: str
+    role: str
+    remote: dict | None = None          # pull, decode side: the prefill's handoff object
+    prefill_url: str | None = None      # push, decode side
+    decode_url: str | None = None       # push, prefill side (informational)
+
+    @property
+    def remote_prompt_ids(self) -> list[int] | None:
+        return None if self.remote is None else list(self.remote["prompt_token_ids"])
+
+
+class WorkerHandoff:
+    def __init__(self, server: Server, connector: Connector, role: str, secret: bytes):
+        assert role in ROLES
+        self.server, self.connector, self.role, self.secret = server, connector, role, secret
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0), headers=control_headers(secret))
+        self.peer_info: dict[str, str] = {}         # prefill URL -> its agent's peer name
+        r = server.metrics.registry
+        self.handoff_seconds = Histogram("kvhandoff_handoff_seconds", "Handoff duration (this side)",
+                                         ["role"], registry=r,
+                                         buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.handoff_bytes = Histogram("kvhandoff_handoff_bytes", "KV bytes per handoff", ["role"], registry=r,
+                                       buckets=tuple(2 ** k for k in range(10, 34, 2)))
+        self.events = Counter("kvhandoff_handoff_events", "Handoff failures, lease expiries, late notifications",
+                              ["event"], registry=r)
+        self._seen = dict(connector.counters)
+
+    # ---- request parsing ------------------------------------------------------------------------
+    def parse(self, params: dict, request: Request) -> KVRequest:
+        check_control(request, self.secret)
+        try:
+            kv = KVRequest(handoff_id=str(params["handoff_id"]), mode=params["mode"], role=params["role"],
+                           remote=params.get("remote"), prefill_url=params.get("prefill_url"),
+                           decode_url=params.get("decode_url"))
+        except (KeyError, TypeError) as exc:
+            raise P.APIError(400, f"kv_transfer_params lacks {exc}", param="kv_transfer_params") from None
+        if kv.mode not in MODES:
+            raise P.APIError(400, f"unknown handoff mode {kv.mode!r}; one of {', '.join(MODES)}",
+                             param="kv_transfer_params.mode")
+        if kv.role != self.role:
+            raise P.APIError(400, f"this worker's role is {self.role}, not {kv.role}", param="kv_transfer_params.role")
+        if kv.role == "decode" and kv.mode in PULL_MODES and not isinstance(kv.remote, dict):
+            raise P.APIError(400, "a pull decode needs kv_transfer_params.remote", param="kv_transfer_params.remote")
+        if kv.role == "decode" and kv.mode not in PULL_MODES and not kv.prefill_url:
+            raise P.APIError(400, "a push decode needs kv_transfer_params.prefill_url", param="kv_transfer_params")
+        return kv
+
+    # ---- prefill side ---------------------------------------------------------------------------
+    async def prefill(self, kv: KVRequest, request: Request, prompt_ids: list[int], params: SamplingParams):
+        aio = asyncio.get_running_loop()
+        done: asyncio.Future = aio.create_future()
+
+        def on_output(out) -> None:        # engine thread
+            if out.finished:
+                aio.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
+        try:
+            self.connector.submit_prefill(kv.handoff_id, prompt_ids, params, kv.mode, on_output)
+        except ValueError as exc:
+            raise P.APIError(400, str(exc)) from None
+        try:
+            out = await done
+        except asyncio.CancelledError:     # the router went away: free what we hold
+            self.connector.cancel_prefill(kv.handoff_id)
+            raise
+        if out.finish_reason != "prefilled":
+            raise P.APIError(500 if out.finish_reason == "error" else 503,
+                             f"prefill did not complete: {out.error or out.finish_reason}")
+        if kv.mode in PULL_MODES:
+            handoff = await aio.run_in_executor(None, self.connector.pull_params, kv.handoff_id, out, prompt_ids)
+        else:
+            job = self.connector.jobs.get(kv.handoff_id)
+            handoff = {"handoff_id": kv.handoff_id, "prefill_worker": self.connector.worker_name,
+                       "num_kv_tokens": out.num_kv_tokens, "blocks": len(out.kv_block_ids or [])}
+            if job is not None:     # wait for the WRITE (or its failure) so the phases are complete
+                await aio.run_in_executor(None, job.finished.wait, 4 * self.connector.cfg.kv_timeout_s)
+                if job.failed:
+                    raise P.APIError(502, job.failed, type="handoff_error")
+                handoff["bytes_transferred"] = job.bytes_sent
+            handoff["phases_ms"] = {"prefill_queue": out.timings["queue_ms"],
+                                    "prefill_compute": out.timings["prefill_ms"],
+                                    **(job.phases if job is not None else {})}
+            handoff["phases_ms"].pop("chunk_starts", None)
+        self._observe("prefill", out.timings.get("total_ms"), handoff.get("bytes_transferred"))
+        return JSONResponse({"handoff": handoff})
+
+    async def register(self, request: Request) -> JSONResponse:
+        check_control(request, self.secret)
+        body = await request.json()
+        for key in ("handoff_id", "agent_metadata", "block_ids", "num_kv_tokens", "prompt_hash", "ttl_ms"):
+            if key not in body:
+                raise P.APIError(400, f"registration lacks {key!r}")
+        aio = asyncio.get_running_loop()
+        try:
+            peer = await aio.run_in_executor(None, self.connector.ensure_peer, body["agent_metadata"])
+            self.connector.register(body, peer)
+        except HandoffError as exc:
+            raise P.APIError(exc.status, str(exc), type="handoff_error") from None
+        return JSONResponse({"status": "registered"})
+
+    # ---- decode side ----------------------------------------------------------------------------
+    async def submit_decode(self, kv: KVRequest, stream: RequestStream, prompt_ids: list[int],
+                            params: SamplingParams) -> None:
+        aio = asyncio.get_running_loop()
+        try:
+            if kv.mode in PULL_MODES:
+                peer = await aio.run_in_executor(None, self.connector.ensure_peer, kv.remote["agent_metadata"])
+            else:
+                peer = await self._prefill_peer(kv.prefill_url)
+        except HandoffError as exc:
+            raise P.APIError(exc.status, str(exc), type="handoff_error") from None
+
+        def register(incoming) -> None:    # engine thread: blocks reserved, tell the prefill worker
+            body = self.connector.registration(incoming, kv.mode, prompt_ids)
+            aio.call_soon_threadsafe(lambda: asyncio.ensure_future(self._register(kv, body)))
+        try:
+            self.connector.submit_decode(kv.handoff_id, kv.mode, prompt_ids, params, stream._on_output,
+                                         remote=kv.remote, peer=peer, register=register)
+        except HandoffError as exc:
+            raise P.APIError(exc.status, str(exc), type="handoff_error") from None
+        except ValueError as exc:
+            raise P.APIError(400, str(exc)) from None
+
+    async def _prefill_peer(self, url: str) -> str:
+        peer = self.peer_info.get(url)
+        if peer is None:
+            try:
+                info = (await self.http.get(f"{url}/kv/info")).raise_for_status().json()
+            except httpx.HTTPError as exc:
+                raise HandoffError(f"prefill worker {url} unreachable: {exc}", 502) from None
+            peer = await asyncio.get_running_loop().run_in_executor(None, self.connector.ensure_peer,
+                                                                    info["agent_metadata"])
+            self.peer_info[url] = peer
+        return peer
+
+    async def _register(self, kv: KVRequest, body: dict) -> None:
+        try:
+            r = await self.http.post(f"{kv.prefill_url}/kv/register", json=body)
+            if r.status_code >= 400:
+                reason = r.json().get("error", {}).get("message", r.text)
+                self._fail_incoming(kv.handoff_id, f"prefill refused the registration: {reason}")
+        except httpx.HTTPError as exc:
+            # It may or may not have arrived: keep the blocks aside until the push deadline passes.
+            self._fail_incoming(kv.handoff_id, f"registration with {kv.prefill_url} failed: {exc}", settled=False)
+
+    def _fail_incoming(self, handoff_id: str, reason: str, settled: bool = True) -> None:
+        incoming = self.connector.incoming.get(handoff_id)
+        if incoming is not None:
+            self.connector._load_failed(incoming, reason, settled=settled)
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def _observe(self, role: str, total_ms: float | None, nbytes: int | None) -> None:
+        if total_ms is not None:
+            self.handoff_seconds.labels(role).observe(total_ms / 1000)
+        if nbytes:
+            self.handoff_bytes.labels(role).observe(nbytes)
+
+    def sync_counters(self) -> None:
+        """Fold the connector's counters into Prometheus (called on scrape)."""
+        for key in ("failures", "lease_expiries", "late_notifications", "verify_failures"):
+            now = self.connector.counters[key]
+            if now > self._seen[key]:
+                self.events.labels(key).inc(now - self._seen[key])
+                self._seen[key] = now
+
+    def info(self) -> dict:
+        c = self.connector
+        return {"worker": c.worker_name, "role": self.role, "agent_metadata": c.metadata_b64(),
+                "block_size": c.engine.block_size, "block_bytes": c.layout.block_bytes,
+                "num_layers": c.layout.num_layers, "layer_bytes": c.layout.layer_bytes,
+                "dtype": str(c.engine.dtype).removeprefix("torch."), "model": c.engine.served_name}
+
+
+def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
+    server = handoff.server
+    server.handoff = handoff
+
+    @app.get("/kv/info")
+    async def kv_info(request: Request):
+        check_control(request, handoff.secret)
+        return handoff.info()
+
+    @app.post("/kv/register")
+    async def kv_register(request: Request):
+        if handoff.role != "prefill":
+            raise P.APIError(400, "registrations go to prefill workers")
+        return await handoff.register(request)
+
+    @app.post("/kv/release")
+    async def kv_release(request: Request):
+        check_control(request, handoff.secret)
+        body = await request.json()
+        released = handoff.connector._release_lease(str(body.get("handoff_id")))
+        return {"released": released}
+
+    @app.post("/kv/cancel")
+    async def kv_cancel(request: Request):
+        """The router gave up on a handoff (its client left): free what this worker holds for it."""
+        check_control(request, handoff.secret)
+        body = await request.json()
+        handoff_id = str(body.get("handoff_id"))
+        if handoff.role == "prefill":
+            handoff.connector.cancel_prefill(handoff_id)
+        else:
+            server.loop.abort(handoff_id)
+        return {"cancelled": handoff_id}
+
