@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvhandoff.transfer.errors import TransferError
 from kvhandoff.transfer.handle import Op
 from kvhandoff.transfer.memory import Region
 
@@ -32,7 +33,7 @@ class NixlEngine:
     def __init__(self, name: str, on_notify: Callable[[str, bytes], None]):
         reason = unavailable_reason()
         if reason is not None:
-            raise RuntimeError(reason)
+            raise TransferError(reason)
         from nixl._api import nixl_agent, nixl_agent_config
         # NIXL's own progress thread polls without pause (its Python API fixes the delay at 0) and
         # so burns a whole core even when idle: on a 2-core host that starved every other
