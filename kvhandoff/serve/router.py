@@ -1,0 +1,640 @@
+"""The router: an OpenAI-compatible front that sequences a prefill worker and a decode worker per request.
+
+It never touches KV (docs/HANDOFF.md). For every request it chooses one `handoff_id` (used on every
+side), picks the workers, forwards the client's body with `kv_transfer_params` added, streams the decode
+worker's answer back as it arrives, and merges what both workers report into one `handoff` object.
+
+- pull / pull-reader: prefill first (`stream: false`), then the decode worker is picked (late binding,
+  least loaded now) and sent the prefill's handoff object as `remote`.
+- push / push-layerwise: the decode worker is picked at arrival (early binding) and both requests go
+  out at once; each side is told the other's URL.
+
+Ownership of upstream connections: every response opened to a worker is recorded on the request's
+`Handoff` and closed by `Router.finish`, whichever way the request ends (done, worker error, client
+gone, deadline). Closing a half-read response closes its TCP connection, which is how a worker learns
+that nobody listens any more and aborts the request, freeing its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvhandoff.serve import protocol as P
+from kvhandoff.serve.auth import control_headers
+from kvhandoff.serve.metrics import CONTENT_TYPE, LATENCY_BUCKETS
+from kvhandoff.serve.server import CHAT, COMPLETIONS, SSEResponse, sse_event, wait_disconnect
+
+log = logging.getLogger("kvhandoff.router")
+
+MODES = ("pull", "pull-reader", "push", "push-layerwise")
+PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
+# Fields of the prefill's handoff object worth showing the client when the decode side lacks them;
+# the rest (token ids, block ids, checksums, agent metadata) is protocol payload, not observability.
+PREFILL_FALLBACK_FIELDS = ("bytes_transferred", "blocks", "reused_tokens")
+DONE = "data: [DONE]\n\n"
+
+
+def parse_urls(spec: str) -> list[str]:
+    """'h:p,http://h2:p2/v1/' -> ['http://h:p', 'http://h2:p2']: workers are named by their base URL."""
+    urls = []
+    for raw in spec.split(","):
+        url = raw.strip().rstrip("/")
+        if not url:
+            continue
+        url = url.removesuffix("/v1")
+        urls.append(url if "://" in url else f"http://{url}")
+    if not urls:
+        raise ValueError(f"no worker URL in {spec!r}")
+    return urls
+
+
+@dataclass
+class RouterConfig:
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    mode: str
+    secret: bytes
+    request_timeout: float = 600.0        # whole-request deadline, streams included
+    connect_timeout: float = 5.0
+    health_interval: float = 1.0          # seconds between /health polls of every worker; 0 = never
+
+    def __post_init__(self):
+        assert self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"
+        assert self.prefill_urls and self.decode_urls, "the router needs a prefill and a decode worker"
+        assert self.secret, "the router needs the deployment secret to talk to its workers"
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str                    # "prefill" or "decode"
+    in_flight: int = 0           # requests this router has routed to it and not yet finished
+    load: int = 0                # num_running + num_waiting at its last /health
+    healthy: bool = True         # until a poll says otherwise
+    last_health: dict = field(default_factory=dict)
+
+
+class Relay(Exception):
+    """A worker's own error answer (4xx/5xx), relayed to the client with its status and body."""
+
+    def __init__(self, worker: Worker, status: int, body: dict):
+        super().__init__(f"{worker.role} worker {worker.url} answered {status}")
+        self.worker, self.status, self.body = worker, status, body
+
+
+@dataclass
+class Handoff:
+    """One client request on its way through the router."""
+    handoff_id: str
+    endpoint: str
+    stream: bool
+    t0: float                                     # perf_counter at arrival
+    deadline: float                               # event-loop time after which the router gives up
+    router_ms: float | None = None                # arrival -> first byte sent to a worker
+    prefill: Worker | None = None
+    decode: Worker | None = None
+    prefill_task: asyncio.Task | None = None      # resolves to the prefill's handoff object
+    remote: dict | None = None                    # pull: the prefill's handoff object (blocks pinned)
+    upstream: list[httpx.Response] = field(default_factory=list)
+    holding: list[Worker] = field(default_factory=list)   # in_flight counted on these
+    status: str = "200"                           # metrics label of the outcome
+    decode_done: bool = False                     # the decode worker's answer was read to the end
+    first_token_ms: float | None = None           # streams: when the first generated text went out
+    finished: bool = False
+
+    def ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+class RouterMetrics:
+    """The router's own registry: what the client saw, per mode, plus the merged handoff phases."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvhandoff_router_requests", "Requests by mode, endpoint and outcome "
+                                "(HTTP status; 499 client gone; stream_error)", ["mode", "endpoint", "status"],
+                                registry=r)
+        self.ttft = Histogram("kvhandoff_router_time_to_first_token_seconds",
+                              "Arrival at the router to the first token forwarded (streams)", ["mode"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvhandoff_router_e2e_request_latency_seconds",
+                             "Arrival at the router to the end of the answer (successful requests)", ["mode"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.phase = Histogram("kvhandoff_router_handoff_phase_seconds",
+                               "Per-phase time from the merged handoff objects (router = router_ms)",
+                               ["mode", "phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.bytes = Counter("kvhandoff_router_handoff_bytes", "KV bytes the workers reported moving", ["mode"],
+                             registry=r)
+        self.in_flight = Gauge("kvhandoff_router_worker_in_flight", "Requests in flight per worker",
+                               ["role", "worker"], registry=r)
+
+    def handoff(self, mode: str, merged: dict) -> None:
+        for phase, ms in (merged.get("phases_ms") or {}).items():
+            if isinstance(ms, (int, float)):
+                self.phase.labels(mode, phase).observe(ms / 1e3)
+        if isinstance(merged.get("router_ms"), (int, float)):
+            self.phase.labels(mode, "router").observe(merged["router_ms"] / 1e3)
+        if isinstance(merged.get("bytes_transferred"), int):
+            self.bytes.labels(mode).inc(merged["bytes_transferred"])
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        self.config, self.mode = config, config.mode
+        self.prefills = [Worker(u, "prefill") for u in config.prefill_urls]
+        self.decodes = [Worker(u, "decode") for u in config.decode_urls]
+        self.auth = control_headers(config.secret)
+        self.metrics = RouterMetrics()
+        self.rr = 0                                   # round-robin tie breaker
+        self.client: httpx.AsyncClient | None = None
+        self.background: set[asyncio.Task] = set()   # fire-and-forget lease releases
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.prefills + self.decodes
+
+    async def start(self) -> None:
+        # No read timeout: a long prefill or a long generation is not a failure; the request deadline
+        # (config.request_timeout) bounds everything instead. No pool cap: in-flight requests are bounded
+        # by the workers' queues, and a router that queued on its own pool would hide load from them.
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=self.config.connect_timeout, read=None, write=60.0, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per worker call and health poll
+        if self.config.health_interval > 0:
+            self.spawn(self.poll_health())
+
+    async def stop(self) -> None:
+        for task in list(self.background):
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+        await self.client.aclose()
+
+    def spawn(self, coro: Awaitable) -> None:
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    # -- worker choice --------------------------------------------------------------------------------
+    def pick(self, ctx: Handoff, workers: list[Worker]) -> Worker:
+        """Least loaded: healthy first, then fewest in flight from this router, then the load the worker
+        last reported; ties go round-robin so equal workers share the work."""
+        key = lambda w: (not w.healthy, w.in_flight, w.load)
+        best = min(map(key, workers))
+        tied = [w for w in workers if key(w) == best]
+        worker = tied[self.rr % len(tied)]
+        self.rr += 1
+        worker.in_flight += 1
+        ctx.holding.append(worker)
+        self.metrics.in_flight.labels(worker.role, worker.url).set(worker.in_flight)
+        return worker
+
+    def unhold(self, ctx: Handoff, worker: Worker) -> None:
+        if worker in ctx.holding:
+            ctx.holding.remove(worker)
+            worker.in_flight -= 1
+            self.metrics.in_flight.labels(worker.role, worker.url).set(worker.in_flight)
+
+    # -- talking to workers ---------------------------------------------------------------------------
+    def worker_body(self, ctx: Handoff, body: dict, role: str, **extra) -> dict:
+        params = {"handoff_id": ctx.handoff_id, "mode": self.mode, "role": role, **extra}
+        if role == "prefill":   # prefill answers one JSON object, whatever the client asked for
+            body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        return {**body, "kv_transfer_params": params}
+
+    async def post(self, ctx: Handoff, worker: Worker, path: str, body: dict) -> httpx.Response:
+        """POST and return the open 200 response (body unread); any other answer raises Relay/APIError."""
+        request = self.client.build_request("POST", worker.url + path, json=body, headers=self.auth)
+        if ctx.router_ms is None:
+            ctx.router_ms = round(ctx.ms(), 3)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.TransportError as e:
+            raise worker_failure(worker, e) from None
+        ctx.upstream.append(resp)
+        if resp.status_code != 200:
+            raise Relay(worker, resp.status_code, await error_json(worker, resp))
+        return resp
+
+    async def read_json(self, worker: Worker, resp: httpx.Response) -> dict:
+        try:
+            data = json.loads(await resp.aread())
+        except httpx.TransportError as e:
+            raise worker_failure(worker, e) from None
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise P.APIError(502, f"the {worker.role} worker {worker.url} answered something that is not a JSON "
+                             "object", type="server_error", code="bad_worker_answer")
+        return data
+
+    async def call_prefill(self, ctx: Handoff, endpoint: str, body: dict, **extra) -> dict:
+        """Run the prefill leg to its end; returns the prefill's handoff object."""
+        worker = ctx.prefill
+        resp = await self.post(ctx, worker, endpoint, self.worker_body(ctx, body, "prefill", **extra))
+        data = await self.read_json(worker, resp)
+        self.unhold(ctx, worker)
+        handoff = data.get("handoff")
+        if not isinstance(handoff, dict):
+            raise P.APIError(502, f"the prefill worker {worker.url} answered without a handoff object; is it "
+                             "running with --role prefill?", type="server_error", code="bad_worker_answer")
+        return handoff
+
+    def release_lease(self, ctx: Handoff) -> None:
+        """Pull: the decode side will never read these blocks; free them now rather than at lease expiry.
+        Harmless if the decode worker already released them (whichever release arrives first wins)."""
+        async def release():
+            try:
+                await self.client.post(ctx.prefill.url + "/kv/release", json={"handoff_id": ctx.handoff_id},
+                                       headers=self.auth, timeout=5.0)
+            except httpx.HTTPError as e:
+                log.warning("handoff %s: releasing the lease on %s failed: %s", ctx.handoff_id, ctx.prefill.url, e)
+        self.spawn(release())
+
+    # -- one request ----------------------------------------------------------------------------------
+    async def dispatch(self, ctx: Handoff, body: dict) -> Response:
+        """Everything up to the answer's status line: both legs started, the decode answer open."""
+        if self.mode.startswith("pull"):
+            ctx.prefill = self.pick(ctx, self.prefills)
+            ctx.remote = await self.call_prefill(ctx, ctx.endpoint, body)
+            ctx.decode = self.pick(ctx, self.decodes)        # late binding: load as it is now
+            resp = await self.post(ctx, ctx.decode, ctx.endpoint,
+                                   self.worker_body(ctx, body, "decode", remote=ctx.remote))
+        else:
+            ctx.decode = self.pick(ctx, self.decodes)        # early binding: at arrival
+            ctx.prefill = self.pick(ctx, self.prefills)
+            ctx.prefill_task = asyncio.ensure_future(
+                self.call_prefill(ctx, ctx.endpoint, body, decode_url=ctx.decode.url))
+            resp = await self.open_push_decode(ctx, body)
+        if ctx.stream:
+            # finish() awaits (closing upstream), and SSEResponse calls on_close synchronously once the
+            # response is over, outside the cancel scope Starlette ends a stream with: so it runs as a task.
+            return SSEResponse(self.relay_events(ctx, resp), on_close=lambda: self.spawn(self.finish(ctx)))
+        data = await self.read_json(ctx.decode, resp)
+        ctx.decode_done = True
+        if isinstance(data.get("handoff"), dict):
+            data["handoff"] = await self.merge(ctx, data["handoff"])
+        return JSONResponse(data)
+
+    async def open_push_decode(self, ctx: Handoff, body: dict) -> httpx.Response:
+        decode = asyncio.ensure_future(self.post(ctx, ctx.decode, ctx.endpoint,
+                                                 self.worker_body(ctx, body, "decode", prefill_url=ctx.prefill.url)))
+        try:
+            await asyncio.wait({ctx.prefill_task, decode}, return_when=asyncio.FIRST_COMPLETED)
+            # Before the decode answer starts, a prefill that refused the request (4xx) or cannot be
+            # reached ends it: the decode side would only wait for KV that never comes. Later (or on a
+            # 5xx) the decode worker hears of it through the protocol and recomputes or fails by policy.
+            if not decode.done() and prefill_refused(ctx.prefill_task):
+                ctx.prefill_task.result()
+            return await decode
+        finally:
+            if not decode.done():
+                decode.cancel()
+                await asyncio.wait({decode})
+
+    async def merge(self, ctx: Handoff, decode_handoff: dict) -> dict:
+        """The client's handoff object: the decode worker's, with the prefill's phases and ours added."""
+        prefill, prefill_error = ctx.remote, None
+        if ctx.prefill_task is not None:      # push: the prefill answer normally came long ago
+            await asyncio.wait({ctx.prefill_task}, timeout=max(0.0, ctx.deadline - asyncio.get_running_loop().time()))
+            prefill, prefill_error = task_outcome(ctx.prefill_task)
+        prefill = prefill or {}
+        pre, dec = prefill.get("phases_ms") or {}, decode_handoff.get("phases_ms") or {}
+        # handoff_wait and transfer may come from both sides; the one that moved the data (decode READs
+        # in pull, prefill WRITEs in push) measured the transfer itself, so its view wins.
+        first, second = (pre, dec) if self.mode.startswith("push") else (dec, pre)
+        phases = {p: first.get(p) if first.get(p) is not None else second.get(p) for p in PHASES}
+        merged = {**decode_handoff}
+        for name in PREFILL_FALLBACK_FIELDS:
+            if merged.get(name) is None and prefill.get(name) is not None:
+                merged[name] = prefill[name]
+        merged.update(handoff_id=ctx.handoff_id, mode=self.mode, prefill_worker=ctx.prefill.url,
+                      decode_worker=ctx.decode.url, phases_ms=phases, router_ms=ctx.router_ms)
+        if prefill_error:
+            merged["prefill_error"] = prefill_error
+        self.metrics.handoff(self.mode, merged)
+        return merged
+
+    async def relay_events(self, ctx: Handoff, resp: httpx.Response) -> AsyncIterator[str]:
+        """The decode worker's SSE events, forwarded one by one as they arrive; the event that carries
+        the handoff object is re-encoded with the merged one. Worker failure or the deadline ends the
+        stream with an OpenAI error event, as a worker's own stream would."""
+        events = sse_events(resp)
+        while True:
+            try:
+                async with asyncio.timeout_at(ctx.deadline):
+                    lines = await anext(events, None)
+            except TimeoutError:
+                ctx.status = "504"
+                yield sse_event(deadline_error(self.config.request_timeout).body()) + DONE
+                return
+            except httpx.TransportError as e:
+                ctx.status = "502"
+                yield sse_event(P.error_body(f"the decode worker {ctx.decode.url} failed mid-stream: "
+                                             f"{describe(e)}", "server_error")) + DONE
+                return
+            if lines is None:
+                ctx.decode_done = True
+                return
+            yield await self.rewrite_event(ctx, lines)
+
+    async def rewrite_event(self, ctx: Handoff, lines: list[str]) -> str:
+        raw = "\n".join(lines) + "\n\n"
+        payload = lines[0][5:].strip() if len(lines) == 1 and lines[0].startswith("data:") else None
+        if not payload or payload == "[DONE]":
+            return raw
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            return raw
+        if not isinstance(chunk, dict):
+            return raw
+        if "error" in chunk:
+            ctx.status = "stream_error"
+        if ctx.first_token_ms is None and has_token(chunk):
+            ctx.first_token_ms = ctx.ms()
+            self.metrics.ttft.labels(self.mode).observe(ctx.first_token_ms / 1e3)
+        if isinstance(chunk.get("handoff"), dict):
+            chunk["handoff"] = await self.merge(ctx, chunk["handoff"])
+            return sse_event(chunk)
+        return raw
+
+    async def finish(self, ctx: Handoff) -> None:
+        """Close whatever is still open for this request and count it; idempotent."""
+        if ctx.finished:
+            return
+        ctx.finished = True
+        for resp in ctx.upstream:
+            await resp.aclose()
+        if ctx.prefill_task is not None:
+            if not ctx.prefill_task.done():
+                ctx.prefill_task.cancel()      # closes its connection: prefill aborts, frees its blocks
+            ctx.prefill_task.add_done_callback(task_outcome)   # consume its exception: no warning
+        for worker in list(ctx.holding):
+            self.unhold(ctx, worker)
+        if ctx.remote is not None and not ctx.decode_done:
+            self.release_lease(ctx)
+        status = ctx.status
+        if ctx.stream and status == "200" and not ctx.decode_done:
+            status = "499"                     # the client left mid-stream
+        self.metrics.requests.labels(self.mode, ctx.endpoint, status).inc()
+        if status == "200":
+            self.metrics.e2e.labels(self.mode).observe(ctx.ms() / 1e3)
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        loop = asyncio.get_running_loop()
+        ctx = Handoff(uuid.uuid4().hex, endpoint, False, time.perf_counter(),
+                      loop.time() + self.config.request_timeout)
+        try:
+            body = await read_json_object(request)
+        except P.APIError as e:
+            ctx.status = str(e.status)
+            await self.finish(ctx)
+            return JSONResponse(e.body(), status_code=e.status)
+        ctx.stream = bool(body.get("stream"))
+        work = asyncio.ensure_future(self.dispatch(ctx, body))
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, timeout=self.config.request_timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.wait({work})
+        response = self.outcome(ctx, work, client_gone=gone.done() and not gone.cancelled())
+        if not isinstance(response, SSEResponse):     # a stream finishes when its body ends
+            await self.finish(ctx)
+        return response
+
+    def outcome(self, ctx: Handoff, work: asyncio.Task, client_gone: bool) -> Response:
+        if work.cancelled():
+            if client_gone:
+                ctx.status = "499"
+                return Response(status_code=499)   # nobody is listening; nginx's "client closed request"
+            err = deadline_error(self.config.request_timeout)
+        else:
+            err = work.exception()
+            if err is None:
+                return work.result()
+        if isinstance(err, Relay):
+            ctx.status = str(err.status)
+            return JSONResponse(err.body, status_code=err.status)
+        if not isinstance(err, P.APIError):
+            log.error("handoff %s failed in the router", ctx.handoff_id, exc_info=err)
+            err = P.APIError(500, "internal router error; see the router log")
+        elif err.status >= 500:
+            log.warning("handoff %s: %s", ctx.handoff_id, err.message)
+        ctx.status = str(err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    # -- health and models ----------------------------------------------------------------------------
+    async def check(self, worker: Worker) -> dict:
+        try:
+            resp = await self.client.get(worker.url + "/health", headers=self.auth, timeout=2.0)
+            data = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
+            worker.healthy = resp.status_code == 200
+            worker.last_health = data if isinstance(data, dict) else {}
+            worker.load = int(worker.last_health.get("num_running", 0)) + int(worker.last_health.get("num_waiting", 0))
+            status = {"status": "ok" if worker.healthy else "error", **worker.last_health}
+        except (httpx.HTTPError, ValueError) as e:
+            worker.healthy = False
+            status = {"status": "unreachable", "error": describe(e)}
+        return {**status, "url": worker.url, "role": worker.role, "in_flight": worker.in_flight}
+
+    async def poll_health(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(w) for w in self.workers))
+            await asyncio.sleep(self.config.health_interval)
+
+    async def health(self) -> JSONResponse:
+        reports = await asyncio.gather(*(self.check(w) for w in self.workers))
+        missing = [role for role, ws in (("prefill", self.prefills), ("decode", self.decodes))
+                   if not any(w.healthy for w in ws)]
+        body = {"status": "error" if missing else "ok", "role": "router", "mode": self.mode,
+                "num_in_flight": sum(w.in_flight for w in self.decodes), "workers": reports}
+        if missing:
+            body["error"] = f"no healthy {' or '.join(missing)} worker"
+        return JSONResponse(body, status_code=503 if missing else 200)
+
+    async def proxy_get(self, path: str) -> Response:
+        """GET from the first worker that answers (decode workers first: they serve the answers)."""
+        errors = []
+        for worker in self.decodes + self.prefills:
+            try:
+                resp = await self.client.get(worker.url + path, headers=self.auth, timeout=10.0)
+            except httpx.HTTPError as e:
+                errors.append(f"{worker.url}: {describe(e)}")
+                continue
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"))
+        err = P.APIError(502, f"no worker answered {path} ({'; '.join(errors)})", type="server_error",
+                         code="worker_unreachable")
+        return JSONResponse(err.body(), status_code=502)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers
+
+async def sse_events(resp: httpx.Response) -> AsyncIterator[list[str]]:
+    """The lines of each SSE event (blank-line separated), yielded as soon as the event is complete."""
+    lines: list[str] = []
+    async for line in resp.aiter_lines():
+        if line:
+            lines.append(line)
+        elif lines:
+            yield lines
+            lines = []
+    if lines:
+        yield lines
+
+
+def has_token(chunk: dict) -> bool:
+    """Does this completion or chat chunk carry generated text (not the role-only opening chunk)?"""
+    for choice in chunk.get("choices") or ():
+        if isinstance(choice, dict) and (choice.get("text") or (choice.get("delta") or {}).get("content")):
+            return True
+    return False
+
+
+async def read_json_object(request: Request) -> dict:
+    """The router's only validation: a JSON object without the router-owned field. Workers check the rest."""
+    raw = await request.body()
+    if not raw.strip():
+        raise P.APIError(400, "the request body is empty; send a JSON object")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise P.APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise P.APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    if "kv_transfer_params" in data:
+        raise P.APIError(400, "kv_transfer_params is reserved: the router sets it for its workers; remove it "
+                         "from the request", param="kv_transfer_params")
+    return data
+
+
+async def error_json(worker: Worker, resp: httpx.Response) -> dict:
+    """A worker's error body as OpenAI error JSON: as sent if it is one, wrapped otherwise."""
+    try:
+        raw = await resp.aread()
+    except httpx.TransportError as e:
+        raw = f"(body lost: {describe(e)})".encode()
+    try:
+        data = json.loads(raw)
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            return data
+    except ValueError:
+        pass
+    text = raw.decode(errors="replace").strip()[:300]
+    return P.error_body(f"the {worker.role} worker {worker.url} answered {resp.status_code}: {text}",
+                        "invalid_request_error" if resp.status_code < 500 else "server_error")
+
+
+def worker_failure(worker: Worker, e: httpx.TransportError) -> P.APIError:
+    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return P.APIError(502, f"cannot reach the {worker.role} worker {worker.url}: {describe(e)}",
+                          type="server_error", code="worker_unreachable")
+    return P.APIError(502, f"the {worker.role} worker {worker.url} failed mid-request: {describe(e)}",
+                      type="server_error", code="worker_failed")
+
+
+def deadline_error(seconds: float) -> P.APIError:
+    return P.APIError(504, f"the request took longer than the router's --request-timeout of {seconds:g} s",
+                      type="server_error", code="request_timeout")
+
+
+def describe(e: BaseException) -> str:
+    return str(e) or type(e).__name__
+
+
+def prefill_refused(task: asyncio.Task) -> bool:
+    """Did the prefill leg end in a way that dooms the request (4xx, unreachable) rather than a 5xx?"""
+    if not task.done() or task.cancelled() or task.exception() is None:
+        return False
+    e = task.exception()
+    return (isinstance(e, Relay) and e.status < 500) or (isinstance(e, P.APIError) and e.code == "worker_unreachable")
+
+
+def task_outcome(task: asyncio.Task) -> tuple[dict | None, str | None]:
+    """(result, None) or (None, what went wrong) for a finished-or-not prefill task."""
+    if not task.done():
+        return None, "the prefill worker had not answered yet"
+    if task.cancelled():
+        return None, "cancelled"
+    e = task.exception()
+    if e is None:
+        return task.result(), None
+    if isinstance(e, Relay):
+        return None, str((e.body.get("error") or {}).get("message") or e)
+    return None, getattr(e, "message", None) or describe(e)
+
+
+# ---------------------------------------------------------------------------------------------------
+# App
+
+def build_router_app(config: RouterConfig) -> FastAPI:
+    router = Router(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="kvhandoff router", version="0.1.0", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, " \
+                      "/v1/chat/completions, /health, /metrics"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return JSONResponse(P.APIError(exc.status_code, message).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(P.error_body("internal router error; see the router log", "server_error"), status_code=500)
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request):
+        return await router.handle(request, COMPLETIONS)
+
+    @app.post(CHAT)
+    async def chat_completions(request: Request):
+        return await router.handle(request, CHAT)
+
+    @app.get("/v1/models")
+    async def models():
+        return await router.proxy_get("/v1/models")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return await router.proxy_get(f"/v1/models/{model_id}")
+
+    @app.get("/health")
+    async def health():
+        return await router.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,458 @@
+"""The router and the launcher, as real processes over real HTTP.
+
+Most tests put `kvhandoff router` (a subprocess) in front of fake workers: small in-process HTTP servers
+that speak the worker side of docs/HANDOFF.md and record what they were sent, steered per request by a
+`fake` field in the body (the router passes unknown fields on unchanged). That pins down the router's
+own contract (sequencing, auth, merging, streaming, errors, disconnects) whatever the workers do. The
+end-to-end tests then run real workers through `kvhandoff up` and compare greedy outputs to colocated.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvhandoff.serve.auth import control_token
+from kvhandoff.serve.launch import free_port
+
+SECRET = "test-secret"
+# Anchored: `up` also forwards its children's own ready lines, prefixed with their names.
+ROUTER_READY = re.compile(r"^kvhandoff: router .* at (?P<url>http://\S+)/v1", re.M)
+UP_READY = re.compile(r"^kvhandoff: serving '(?P<name>[^']+)' at (?P<url>http://\S+)/v1", re.M)
+UP_STARTED = re.compile(r"^kvhandoff up: started (?P<name>\S+) \(pid (?P<pid>\d+)", re.M)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A fake worker
+
+class FakeWorker:
+    """The worker side of the protocol, in a uvicorn thread. `calls[handoff_id]` lists what it got."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.calls: dict[str, list[dict]] = {}
+        self.released: list[str] = []
+        self.streams_closed_early: list[str] = []
+        self.cancelled: list[str] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake worker did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(5)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "role": self.role, "num_running": 0, "num_waiting": 0}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+        @app.post("/kv/release")
+        async def release(request: Request):
+            self.released.append((await request.json())["handoff_id"])
+            return {"ok": True}
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def generate(request: Request):
+            body = await request.json()
+            kv = body.get("kv_transfer_params") or {}
+            hid = kv.get("handoff_id", "none")
+            self.calls.setdefault(hid, []).append({"body": body, "auth": request.headers.get("authorization"),
+                                                   "t": time.monotonic()})
+            fake = body.get("fake", {}).get(kv.get("role", ""), {})
+            deadline = time.monotonic() + fake.get("delay", 0)
+            while time.monotonic() < deadline:      # like a real worker: a client that leaves aborts us
+                if await request.is_disconnected():
+                    self.cancelled.append(hid)
+                    return JSONResponse({}, status_code=499)
+                await asyncio.sleep(0.05)
+            if "status" in fake:
+                return JSONResponse({"error": {"message": f"fake {kv.get('role')} error", "type": "invalid_request_error",
+                                               "param": "prompt", "code": None}}, status_code=fake["status"])
+            if kv.get("role") == "prefill":
+                if fake.get("no_handoff"):
+                    return {"id": "x", "choices": []}
+                phases = {"prefill_queue": 1.0, "prefill_compute": 2.0}
+                if kv["mode"].startswith("push"):
+                    phases |= {"handoff_wait": 3.0, "transfer": 4.0}
+                return {"handoff": {"handoff_id": hid, "prefill_worker": "fake-prefill", "prompt_token_ids": [1, 2, 3],
+                                    "num_kv_tokens": 2, "block_ids": [0], "checksums": ["c"], "lease_ms": 5000,
+                                    "phases_ms": phases}}
+            handoff = {"handoff_id": hid, "mode": kv.get("mode"), "decode_worker": "fake-decode",
+                       "bytes_transferred": 4096, "blocks": 1, "reused_tokens": 0,
+                       "phases_ms": {"handoff_wait": 5.0, "transfer": 6.0, "decode_queue": 7.0, "first_step": 8.0}}
+            words = fake.get("words", ["a", "b", "c"])
+            if not body.get("stream"):
+                return {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "".join(words),
+                        "finish_reason": "length"}], "handoff": handoff}
+            return StreamingResponse(self.sse(hid, words, fake.get("gap", 0.0), handoff), media_type="text/event-stream")
+
+        return app
+
+    async def sse(self, hid, words, gap, handoff):
+        done = False
+        try:
+            for i, w in enumerate(words):
+                last = i == len(words) - 1
+                chunk = {"id": "cmpl-1", "object": "text_completion",
+                         "choices": [{"index": 0, "text": w, "finish_reason": "length" if last else None}]}
+                if last:
+                    chunk["handoff"] = handoff
+                yield f"data: {json.dumps(chunk)}\n\n"
+                await asyncio.sleep(gap)
+            yield "data: [DONE]\n\n"
+            done = True
+        finally:
+            if not done:
+                self.streams_closed_early.append(hid)
+
+
+@pytest.fixture(scope="module")
+def fakes():
+    prefill, decode = FakeWorker("prefill"), FakeWorker("decode")
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Processes
+
+class Proc:
+    """A kvhandoff subprocess whose output goes to a log file; stopped by PID."""
+
+    def __init__(self, args: list[str], log_path: Path, ready: re.Pattern, timeout: float = 60.0, env=None):
+        self.log_path, self.log = log_path, open(log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvhandoff.cli", *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env)
+        try:
+            self.match = self.wait_for(ready, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.url = self.match["url"]
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: re.Pattern, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = pattern.search(self.text())
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}:\n{self.text()[-4000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"no {pattern.pattern!r} after {timeout:.0f}s:\n{self.text()[-4000:]}")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def start_router(tmp_path: Path, prefill: str, decode: str, mode: str, *extra: str) -> Proc:
+    return Proc(["router", "--prefill", prefill, "--decode", decode, "--mode", mode, "--port", "0", *extra],
+                tmp_path / f"router-{mode}.log", ROUTER_READY, env={"KVHANDOFF_SECRET": SECRET})
+
+
+@pytest.fixture(scope="module", params=["pull", "push"])
+def routed(request, fakes, tmp_path_factory):
+    """(router, prefill fake, decode fake, mode) for pull and push."""
+    prefill, decode = fakes
+    router = start_router(tmp_path_factory.mktemp("router"), prefill.url, decode.url, request.param)
+    yield router, prefill, decode, request.param
+    router.stop()
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie left (it has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Router against fake workers
+
+def test_router_rejects_what_it_must(routed):
+    router, _, _, _ = routed
+    cases = [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"), (b"", "empty"),
+             (json.dumps({"prompt": "x", "kv_transfer_params": {"handoff_id": "mine"}}).encode(), "reserved")]
+    for raw, words in cases:
+        r = httpx.post(router.url + "/v1/completions", content=raw, timeout=10)
+        assert r.status_code == 400, r.text
+        assert words in r.json()["error"]["message"]
+    assert httpx.post(router.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": {}},
+                      timeout=10).json()["error"]["param"] == "kv_transfer_params"
+    r = httpx.get(router.url + "/v2/nothing", timeout=10)
+    assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
+
+
+def test_router_sequences_authenticates_and_merges(routed):
+    router, prefill, decode, mode = routed
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream_options": {}},
+                   timeout=10)
+    assert r.status_code == 200, r.text
+    handoff = r.json()["handoff"]
+    hid = handoff["handoff_id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", hid)
+    (p_call,), (d_call,) = prefill.calls[hid], decode.calls[hid]
+    token = f"Bearer {control_token(SECRET)}"
+    assert p_call["auth"] == token and d_call["auth"] == token
+    p_kv, d_kv = p_call["body"]["kv_transfer_params"], d_call["body"]["kv_transfer_params"]
+    assert p_kv["role"] == "prefill" and d_kv["role"] == "decode" and p_kv["mode"] == d_kv["mode"] == mode
+    assert p_call["body"]["stream"] is False and "stream_options" not in p_call["body"]
+    assert d_call["body"]["prompt"] == "hi" and d_call["body"]["stream_options"] == {}
+    if mode == "pull":
+        assert d_kv["remote"]["block_ids"] == [0] and d_kv["remote"]["handoff_id"] == hid
+        assert d_call["t"] >= p_call["t"]
+    else:
+        assert p_kv["decode_url"] == decode.url and d_kv["prefill_url"] == prefill.url
+    assert handoff["prefill_worker"] == prefill.url and handoff["decode_worker"] == decode.url
+    assert handoff["mode"] == mode and handoff["bytes_transferred"] == 4096 and handoff["router_ms"] >= 0
+    phases = handoff["phases_ms"]
+    assert (phases["prefill_queue"], phases["prefill_compute"], phases["decode_queue"], phases["first_step"]) == \
+           (1.0, 2.0, 7.0, 8.0)
+    # The side that moved the data reports transfer and handoff_wait: decode READs (pull), prefill WRITEs (push).
+    assert (phases["handoff_wait"], phases["transfer"]) == ((5.0, 6.0) if mode == "pull" else (3.0, 4.0))
+    assert hid not in prefill.released                          # decode succeeded: its own job to release
+
+
+def test_router_streams_as_it_arrives(routed):
+    router, _, _, mode = routed
+    body = {"prompt": "hi", "stream": True, "fake": {"decode": {"words": ["w0", "w1", "w2", "w3"], "gap": 0.4}}}
+    start, arrivals, events = time.monotonic(), [], []
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic() - start)
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "w0w1w2w3"
+    assert arrivals[0] < arrivals[3] - 0.8, f"the router buffered the stream: {arrivals}"
+    assert chunks[-1]["handoff"]["prefill_worker"] and chunks[-1]["handoff"]["phases_ms"]["prefill_compute"] == 2.0
+    assert "handoff" not in chunks[0]
+    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    assert f'kvhandoff_router_time_to_first_token_seconds_count{{mode="{mode}"}}' in metrics
+    assert re.search(rf'kvhandoff_router_handoff_phase_seconds_count{{mode="{mode}",phase="transfer"}} [1-9]', metrics)
+
+
+def test_router_relays_worker_errors(routed):
+    router, prefill, decode, mode = routed
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "fake": {"tag": "refused", "decode": {"status": 400}}},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "fake decode error"
+    if mode == "pull":   # decode refused: the router frees the prefill's pinned blocks at once
+        hid = handoff_of(decode, "refused")
+        wait_until(lambda: hid in prefill.released, "the prefill's lease was not released")
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "fake": {"prefill": {"no_handoff": True}}},
+                       timeout=10)
+        assert r.status_code == 502 and "without a handoff object" in r.json()["error"]["message"]
+    # A prefill that refuses ends the request (in push, before the decode answer: the decode side is closed).
+    body = {"prompt": "x", "fake": {"tag": "prefill-refused", "prefill": {"status": 422}, "decode": {"delay": 5}}}
+    t = time.monotonic()
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 422 and r.json()["error"]["message"] == "fake prefill error"
+    assert time.monotonic() - t < 3
+    if mode == "push":
+        hid = handoff_of(prefill, "prefill-refused")
+        wait_until(lambda: hid in decode.cancelled, "the decode worker's request was not closed")
+
+
+def handoff_of(worker: FakeWorker, tag: str) -> str:
+    """The handoff_id of the latest request the test tagged `tag`."""
+    return [h for h, calls in worker.calls.items() if calls[0]["body"].get("fake", {}).get("tag") == tag][-1]
+
+
+def wait_until(cond, message: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
+
+
+def test_client_disconnect_closes_upstream(routed):
+    router, prefill, decode, mode = routed
+    body = {"prompt": "hi", "stream": True, "fake": {"tag": "left", "decode": {"words": [f"w{i}" for i in range(100)],
+                                                                               "gap": 0.1}}}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=10) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+    hid = handoff_of(decode, "left")
+    wait_until(lambda: hid in decode.streams_closed_early, "the decode stream stayed open after the client left")
+    assert first["choices"][0]["text"] == "w0"
+    health = httpx.get(router.url + "/health", timeout=10).json()
+    wait_until(lambda: all(w["in_flight"] == 0 for w in httpx.get(router.url + "/health", timeout=10).json()["workers"]),
+               f"in-flight counts not back to 0: {health}")
+    assert 'status="499"' in httpx.get(router.url + "/metrics", timeout=10).text
+
+
+def test_router_health_models_metrics(routed):
+    router, prefill, decode, mode = routed
+    health = httpx.get(router.url + "/health", timeout=10)
+    assert health.status_code == 200
+    h = health.json()
+    assert h["status"] == "ok" and h["mode"] == mode
+    assert {(w["role"], w["url"], w["status"]) for w in h["workers"]} == {("prefill", prefill.url, "ok"),
+                                                                          ("decode", decode.url, "ok")}
+    assert httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "fake-model"
+    assert "kvhandoff_router_requests_total" in httpx.get(router.url + "/metrics", timeout=10).text
+
+
+def test_unreachable_workers_are_named(fakes, tmp_path):
+    prefill, decode = fakes
+    dead = f"http://127.0.0.1:{free_port()}"
+    for mode, p, d, role in (("pull", dead, decode.url, "prefill"), ("push", prefill.url, dead, "decode")):
+        router = start_router(tmp_path, p, d, mode, "--health-interval", "0")
+        try:
+            for stream in (False, True):
+                r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "stream": stream}, timeout=10)
+                assert r.status_code == 502, r.text
+                err = r.json()["error"]
+                assert err["code"] == "worker_unreachable" and f"{role} worker {dead}" in err["message"]
+            health = httpx.get(router.url + "/health", timeout=10)
+            assert health.status_code == 503 and f"no healthy {role} worker" in health.json()["error"]
+        finally:
+            router.stop()
+        assert "Traceback" not in router.text()
+
+
+def test_router_refuses_to_start_without_secret(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "KVHANDOFF_SECRET"}
+    r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "router", "--prefill", "127.0.0.1:1", "--decode",
+                        "127.0.0.1:2", "--mode", "pull"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode != 0 and "KVHANDOFF_SECRET" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# The launcher
+
+def start_up(tmp_path: Path, mode: str, *extra: str) -> Proc:
+    return Proc(["up", "--model", "tiny", "--mode", mode, "--port", "0", "--num-blocks", "256", *extra],
+                tmp_path / f"up-{mode}.log", UP_READY, timeout=180)
+
+
+def child_pids(up: Proc) -> dict[str, int]:
+    return {m["name"]: int(m["pid"]) for m in UP_STARTED.finditer(up.text())}
+
+
+def test_up_colocated_starts_and_stops_cleanly(tmp_path):
+    up = start_up(tmp_path, "colocated")
+    try:
+        pids = child_pids(up)
+        assert list(pids) == ["worker"] and not gone(pids["worker"])
+        # colocated gets every core this process may use, and threads to match
+        assert os.sched_getaffinity(pids["worker"]) == os.sched_getaffinity(0)
+        r = httpx.post(up.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
+    assert all(gone(pid) for pid in pids.values()), pids
+    assert "kvhandoff up: stopped" in up.text()
+
+
+def test_up_reports_a_dead_child_and_exits_nonzero(tmp_path):
+    up = start_up(tmp_path, "colocated")
+    pids = child_pids(up)
+    os.kill(pids["worker"], signal.SIGKILL)
+    try:
+        assert up.proc.wait(20) == 1
+    finally:
+        up.stop()
+    assert re.search(r"worker \(pid \d+, .*\) exited with status -9", up.text())
+
+
+# ---------------------------------------------------------------------------------------------------
+# End to end: real workers (once kvhandoff.serve.worker exists)
+
+PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 40, 100, 300))]
+# float32 and one thread everywhere: a random model's logits are near-ties that bf16 rounding or another
+# reduction order (thread count, batch shape) can flip; the equality is about the handoff, not about those.
+EXACT = ("--dtype", "float32", "--threads", "1")
+
+
+def greedy(url: str, prompt: list[int], stream: bool) -> tuple[str, dict | None]:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json().get("handoff")
+    text, handoff = [], None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += [c["text"] for c in chunk["choices"]]
+                handoff = chunk.get("handoff", handoff)
+    return "".join(text), handoff
+
+
+@pytest.fixture(scope="module")
+def colocated_outputs(tmp_path_factory):
+    up = start_up(tmp_path_factory.mktemp("colocated"), "colocated", *EXACT)
+    try:
+        yield [greedy(up.url, p, stream=False)[0] for p in PROMPTS]
+    finally:
+        up.stop()
+
+
+@pytest.mark.parametrize("mode", ["pull", "pull-reader", "push", "push-layerwise"])
+def test_disaggregated_equals_colocated(mode, colocated_outputs, tmp_path):
+    pytest.importorskip("kvhandoff.serve.worker", reason="worker roles (kvhandoff serve --role) not landed yet")
+    up = start_up(tmp_path, mode, *EXACT)
+    try:
+        pids = child_pids(up)
+        assert set(pids) == {"prefill-0", "decode-0", "router"}
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert os.sched_getaffinity(pids["prefill-0"]) != os.sched_getaffinity(pids["decode-0"])
+        for prompt, expected in zip(PROMPTS, colocated_outputs):
+            for stream in (False, True):
+                text, handoff = greedy(up.url, prompt, stream)
+                assert text == expected, (mode, len(prompt), stream)
+                assert handoff["mode"] == mode and handoff["prefill_worker"] and handoff["decode_worker"]
+                assert set(handoff["phases_ms"]) >= {"prefill_queue", "prefill_compute", "handoff_wait", "transfer",
+                                                     "decode_queue", "first_step"}
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
+    assert all(gone(pid) for pid in pids.values()), pids
