@@ -1,0 +1,202 @@
+"""Worker-level handoffs over real processes, real HTTP and real transfer agents (docs/HANDOFF.md):
+every mode reproduces colocated greedy output; failures recompute (or error) and never leak blocks.
+The router's part is in test_router.py; here the test plays the router."""
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import ServerProcess
+from kvhandoff.serve.auth import control_headers
+
+SECRET = "test-deployment-secret"
+HEADERS = control_headers(SECRET)
+COMMON = ["--model", "tiny", "--dtype", "float32", "--num-blocks", "256", "--kv-secret", SECRET]
+MODES = ["pull", "pull-reader", "push", "push-layerwise"]
+
+
+def words(n: int, seed: int) -> str:
+    vocab = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+    return " ".join(vocab[(i * 7 + seed * 3) % len(vocab)] for i in range(n))
+
+
+PROMPTS = [words(n, i) for i, n in enumerate([20, 60, 130, 250, 400, 700])]
+
+
+def body(prompt: str, **extra) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("handoff")
+    started = []
+    try:
+        for role in ("prefill", "decode", "both"):
+            # max_num_batched_tokens 64: long prompts prefill in chunks, which layer-wise push sends early
+            extra = ["--max-num-batched-tokens", "64"] if role == "prefill" else []
+            started.append(ServerProcess([*COMMON, "--role", role, *extra], logs / f"{role}.log"))
+        yield dict(zip(("prefill", "decode", "colocated"), started))
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(workers) -> list[str]:
+    url = workers["colocated"].url
+    return [httpx.post(f"{url}/v1/completions", json=body(p), timeout=60).json()["choices"][0]["text"]
+            for p in PROMPTS]
+
+
+def disaggregated(prefill: str, decode: str, mode: str, request: dict, timeout: float = 60) -> tuple[dict, dict]:
+    """Play the router for one request; returns (prefill's handoff object, decode's response)."""
+    handoff_id = uuid.uuid4().hex
+    kv = {"handoff_id": handoff_id, "mode": mode}
+    if mode.startswith("pull"):
+        r = httpx.post(f"{prefill}/v1/completions", headers=HEADERS, timeout=timeout,
+                       json={**request, "kv_transfer_params": {**kv, "role": "prefill"}})
+        assert r.status_code == 200, r.text
+        handoff = r.json()["handoff"]
+        r2 = httpx.post(f"{decode}/v1/completions", headers=HEADERS, timeout=timeout,
+                        json={**request, "kv_transfer_params": {**kv, "role": "decode", "remote": handoff}})
+    else:
+        with ThreadPoolExecutor(2) as pool:     # push: both sides at once, as the router does
+            f1 = pool.submit(httpx.post, f"{prefill}/v1/completions", headers=HEADERS, timeout=timeout,
+                             json={**request, "kv_transfer_params": {**kv, "role": "prefill", "decode_url": decode}})
+            f2 = pool.submit(httpx.post, f"{decode}/v1/completions", headers=HEADERS, timeout=timeout,
+                             json={**request, "kv_transfer_params": {**kv, "role": "decode", "prefill_url": prefill}})
+            r, r2 = f1.result(), f2.result()
+        assert r.status_code == 200, r.text
+        handoff = r.json()["handoff"]
+    assert r2.status_code == 200, r2.text
+    return handoff, r2.json()
+
+
+def wait_baseline(server: ServerProcess, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = server.health()
+        idle = h["num_free_blocks"] == h["num_blocks"] and not h["num_pinned_handoffs"] and not h["num_quarantined"]
+        if idle or time.monotonic() > deadline:
+            return h
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_matches_colocated(workers, reference, mode):
+    prefill, decode = workers["prefill"].url, workers["decode"].url
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:      # all in flight at once
+        results = list(pool.map(lambda p: disaggregated(prefill, decode, mode, body(p)), PROMPTS))
+    for (handoff, response), expected, prompt in zip(results, reference, PROMPTS):
+        assert response["choices"][0]["text"] == expected
+        decode_side = response["handoff"]
+        assert decode_side["mode"] == mode and decode_side["kv_source"] == "remote"
+        assert decode_side["bytes_transferred"] > 0 and decode_side["blocks"] == handoff.get(
+            "blocks", len(handoff.get("block_ids", [])))
+        phases = {**handoff["phases_ms"], **decode_side["phases_ms"]}
+        assert {"prefill_queue", "prefill_compute", "transfer", "decode_queue", "first_step"} <= set(phases)
+    for role in ("prefill", "decode"):
+        h = wait_baseline(workers[role])
+        assert h["num_free_blocks"] == h["num_blocks"], h
+
+
+def test_handoffs_need_the_control_token(workers):
+    request = body(PROMPTS[0], kv_transfer_params={"handoff_id": "x", "mode": "pull", "role": "prefill"})
+    r = httpx.post(f"{workers['prefill'].url}/v1/completions", json=request, timeout=30)
+    assert r.status_code == 401 and "control token" in r.json()["error"]["message"]
+    wrong = control_headers("not-the-secret")
+    assert httpx.get(f"{workers['prefill'].url}/kv/info", headers=wrong, timeout=30).status_code == 401
+    r = httpx.post(f"{workers['colocated'].url}/v1/completions", json=request, headers=HEADERS, timeout=30)
+    assert r.status_code == 400 and "colocated" in r.json()["error"]["message"]
+    # Still serving plain requests afterwards.
+    assert httpx.post(f"{workers['prefill'].url}/v1/completions", json=body("hello"), timeout=30).status_code == 200
+
+
+def test_expired_lease_is_detected_and_recomputed(tmp_path, workers, reference):
+    """Prefill frees the blocks when the lease runs out and reuses them; the decode side's READ then
+    gets someone else's KV, which verification must catch (recompute: right tokens, no garbage)."""
+    # 64 blocks: the prompt takes 51, so one 1,998-token filler must reuse most of them.
+    prefill = ServerProcess([*COMMON, "--role", "prefill", "--lease-s", "0.5", "--num-blocks", "64"],
+                            tmp_path / "prefill.log")
+    try:
+        r = httpx.post(f"{prefill.url}/v1/completions", headers=HEADERS, timeout=60,
+                       json={**body(PROMPTS[4]), "kv_transfer_params": {"handoff_id": "late", "mode": "pull",
+                                                                       "role": "prefill"}})
+        handoff = r.json()["handoff"]
+        time.sleep(1.5)                     # lease gone, blocks back in the pool...
+        for i in range(2):                  # ...and overwritten by other prompts
+            httpx.post(f"{prefill.url}/v1/completions", json=body(words(500, 10 + i), max_tokens=1), timeout=60)
+        r = httpx.post(f"{workers['decode'].url}/v1/completions", headers=HEADERS, timeout=60,
+                       json={**body(PROMPTS[4]), "kv_transfer_params": {"handoff_id": "late", "mode": "pull",
+                                                                       "role": "decode", "remote": handoff}})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference[4]
+        report = r.json()["handoff"]
+        assert report["kv_source"] == "recomputed" and "verification" in report["error"]
+        assert wait_baseline(prefill)["num_free_blocks"] == 64
+    finally:
+        prefill.stop()
+    h = wait_baseline(workers["decode"])
+    assert h["num_free_blocks"] == h["num_blocks"]
+
+
+def test_push_prefill_dies_before_writing(tmp_path, workers, reference):
+    """Decode registers with a prefill worker that then dies: the decode side notices the peer is gone,
+    recomputes, and frees the reserved blocks."""
+    prefill = ServerProcess([*COMMON, "--role", "prefill"], tmp_path / "prefill.log")
+    decode = workers["decode"].url
+    try:
+        request = {**body(PROMPTS[3]), "kv_transfer_params": {"handoff_id": "orphan", "mode": "push",
+                                                              "role": "decode", "prefill_url": prefill.url}}
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{decode}/v1/completions", json=request, headers=HEADERS, timeout=90)
+            deadline = time.monotonic() + 30
+            while workers["decode"].health()["num_waiting_for_kv"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)                 # the registration reaches the prefill worker
+            prefill.proc.kill()             # no goodbye: the agent must notice on its own
+            r = pending.result()
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference[3]
+        assert r.json()["handoff"]["kv_source"] == "recomputed"
+    finally:
+        prefill.stop()
+    h = wait_baseline(workers["decode"], timeout=30)
+    assert h["num_free_blocks"] == h["num_blocks"] and h["num_quarantined"] == 0
+
+
+def test_push_decode_dies_after_registering(tmp_path, workers):
+    """The decode worker registers, then dies; the prefill worker still finishes the handoff's
+    bookkeeping and its pool returns to baseline. (Over shm the WRITE may land in the dead worker's
+    still-mapped segment before the agent notices the death, so the answer is 502 or a 200 for a
+    write nobody reads; either way nothing leaks and the client's stream, from the decode worker,
+    has already failed.)"""
+    decode = ServerProcess([*COMMON, "--role", "decode"], tmp_path / "decode.log")
+    prefill = workers["prefill"]
+    try:
+        kv = {"handoff_id": "widowed", "mode": "push"}
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(httpx.post, f"{decode.url}/v1/completions", headers=HEADERS, timeout=30,
+                        json={**body(PROMPTS[2]), "kv_transfer_params": {**kv, "role": "decode",
+                                                                       "prefill_url": prefill.url}})
+            deadline = time.monotonic() + 30
+            while decode.health()["num_waiting_for_kv"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            decode.proc.kill()
+            time.sleep(0.5)
+            r = httpx.post(f"{prefill.url}/v1/completions", headers=HEADERS, timeout=60,
+                           json={**body(PROMPTS[2]), "kv_transfer_params": {**kv, "role": "prefill",
+                                                                          "decode_url": decode.url}})
+        assert r.status_code in (200, 502), r.text
+        if r.status_code == 502:
+            assert "failed" in r.json()["error"]["message"]
+    finally:
+        decode.stop()
+    h = wait_baseline(prefill)
+    assert h["num_free_blocks"] == h["num_blocks"] and h["num_pinned_handoffs"] == 0
