@@ -71,6 +71,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-backend", default="auto", choices=["auto", "shm", "tcp", "nixl"],
                    help="KV transfer backend; auto: shm with same-host peers, tcp otherwise (default: %(default)s)")
     g.add_argument("--kv-host", default=None, help="address the KV agent listens on (default: --host)")
+    g.add_argument("--kv-shm-dir", default="/dev/shm",
+                   help="where the shared-memory KV pool lives; a tmpfs mounted with huge=within_size "
+                        "makes same-host copies ~2x faster here (default: %(default)s)")
     g.add_argument("--lease-s", type=float, default=30.0,
                    help="pull: seconds prefill keeps a prompt's KV for the decode side (default: %(default)s)")
     g.add_argument("--kv-timeout-s", type=float, default=30.0,
@@ -104,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not secret:
             raise SystemExit(f"--role {args.role} needs the deployment secret: --kv-secret or ${SECRET_ENV}")
         worker_name = f"{args.role}-{args.port}-{os.getpid()}"
-        agent = TransferAgent(worker_name, secret, backend=args.kv_backend, listen_host=args.kv_host or args.host)
+        agent = TransferAgent(worker_name, secret, backend=args.kv_backend, listen_host=args.kv_host or args.host,
+                              shm_dir=args.kv_shm_dir)
         engine = LLMEngine(engine_config(args), kv_allocator=lambda nbytes: agent.allocate_region("kv", nbytes))
     loop = EngineLoop(engine)
     loop.start()
