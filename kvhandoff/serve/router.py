@@ -108,6 +108,7 @@ class Handoff:
     prefill_task: asyncio.Task | None = None      # resolves to the prefill's handoff object
     remote: dict | None = None                    # pull: the prefill's handoff object (blocks pinned)
     upstream: list[httpx.Response] = field(default_factory=list)
+    open_legs: set[str] = field(default_factory=set)      # roles sent a request whose answer we lack
     holding: list[Worker] = field(default_factory=list)   # in_flight counted on these
     status: str = "200"                           # metrics label of the outcome
     decode_done: bool = False                     # the decode worker's answer was read to the end
@@ -157,7 +158,7 @@ class Router:
         self.decodes = [Worker(u, "decode") for u in config.decode_urls]
         self.auth = control_headers(config.secret)
         self.metrics = RouterMetrics()
-        self.rr = 0                                   # round-robin tie breaker
+        self.cursor: dict[str, int] = {}              # per role: where the round-robin tie break resumes
         self.client: httpx.AsyncClient | None = None
         self.background: set[asyncio.Task] = set()   # fire-and-forget lease releases
 
@@ -190,12 +191,12 @@ class Router:
     # -- worker choice --------------------------------------------------------------------------------
     def pick(self, ctx: Handoff, workers: list[Worker]) -> Worker:
         """Least loaded: healthy first, then fewest in flight from this router, then the load the worker
-        last reported; ties go round-robin so equal workers share the work."""
-        key = lambda w: (not w.healthy, w.in_flight, w.load)
-        best = min(map(key, workers))
-        tied = [w for w in workers if key(w) == best]
-        worker = tied[self.rr % len(tied)]
-        self.rr += 1
+        last reported; ties go round-robin (the first tied one after the last pick) so equals share."""
+        role, n = workers[0].role, len(workers)
+        start = self.cursor.get(role, 0)
+        in_turn = [workers[(start + i) % n] for i in range(n)]
+        worker = min(in_turn, key=lambda w: (not w.healthy, w.in_flight, w.load))   # min keeps the first tie
+        self.cursor[role] = (workers.index(worker) + 1) % n
         worker.in_flight += 1
         ctx.holding.append(worker)
         self.metrics.in_flight.labels(worker.role, worker.url).set(worker.in_flight)
@@ -219,13 +220,18 @@ class Router:
         request = self.client.build_request("POST", worker.url + path, json=body, headers=self.auth)
         if ctx.router_ms is None:
             ctx.router_ms = round(ctx.ms(), 3)
+        ctx.open_legs.add(worker.role)
         try:
             resp = await self.client.send(request, stream=True)
         except httpx.TransportError as e:
+            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                ctx.open_legs.discard(worker.role)        # it never saw the request
             raise worker_failure(worker, e) from None
         ctx.upstream.append(resp)
         if resp.status_code != 200:
-            raise Relay(worker, resp.status_code, await error_json(worker, resp))
+            body = await error_json(worker, resp)
+            ctx.open_legs.discard(worker.role)            # it answered: it holds nothing for us
+            raise Relay(worker, resp.status_code, body)
         return resp
 
     async def read_json(self, worker: Worker, resp: httpx.Response) -> dict:
@@ -245,6 +251,7 @@ class Router:
         worker = ctx.prefill
         resp = await self.post(ctx, worker, endpoint, self.worker_body(ctx, body, "prefill", **extra))
         data = await self.read_json(worker, resp)
+        ctx.open_legs.discard("prefill")
         self.unhold(ctx, worker)
         handoff = data.get("handoff")
         if not isinstance(handoff, dict):
@@ -252,16 +259,16 @@ class Router:
                              "running with --role prefill?", type="server_error", code="bad_worker_answer")
         return handoff
 
-    def release_lease(self, ctx: Handoff) -> None:
-        """Pull: the decode side will never read these blocks; free them now rather than at lease expiry.
-        Harmless if the decode worker already released them (whichever release arrives first wins)."""
-        async def release():
+    def tell(self, ctx: Handoff, worker: Worker, path: str) -> None:
+        """Fire-and-forget control message about this handoff (/kv/cancel, /kv/release). Both are
+        idempotent on the worker, so telling a worker that already knows costs nothing."""
+        async def send():
             try:
-                await self.client.post(ctx.prefill.url + "/kv/release", json={"handoff_id": ctx.handoff_id},
-                                       headers=self.auth, timeout=5.0)
+                await self.client.post(worker.url + path, json={"handoff_id": ctx.handoff_id}, headers=self.auth,
+                                       timeout=5.0)
             except httpx.HTTPError as e:
-                log.warning("handoff %s: releasing the lease on %s failed: %s", ctx.handoff_id, ctx.prefill.url, e)
-        self.spawn(release())
+                log.warning("handoff %s: %s on %s failed: %s", ctx.handoff_id, path, worker.url, describe(e))
+        self.spawn(send())
 
     # -- one request ----------------------------------------------------------------------------------
     async def dispatch(self, ctx: Handoff, body: dict) -> Response:
@@ -284,6 +291,7 @@ class Router:
             return SSEResponse(self.relay_events(ctx, resp), on_close=lambda: self.spawn(self.finish(ctx)))
         data = await self.read_json(ctx.decode, resp)
         ctx.decode_done = True
+        ctx.open_legs.discard("decode")
         if isinstance(data.get("handoff"), dict):
             data["handoff"] = await self.merge(ctx, data["handoff"])
         return JSONResponse(data)
@@ -347,6 +355,7 @@ class Router:
                 return
             if lines is None:
                 ctx.decode_done = True
+                ctx.open_legs.discard("decode")
                 return
             yield await self.rewrite_event(ctx, lines)
 
@@ -384,8 +393,14 @@ class Router:
             ctx.prefill_task.add_done_callback(task_outcome)   # consume its exception: no warning
         for worker in list(ctx.holding):
             self.unhold(ctx, worker)
-        if ctx.remote is not None and not ctx.decode_done:
-            self.release_lease(ctx)
+        # A worker handling a request does not notice that the router hung up until it next writes to
+        # us (a prefill waiting for its engine, a decode waiting for KV): tell it, so it frees blocks now.
+        if "prefill" in ctx.open_legs:
+            self.tell(ctx, ctx.prefill, "/kv/cancel")
+        elif ctx.remote is not None and not ctx.decode_done:
+            self.tell(ctx, ctx.prefill, "/kv/release")    # pull: nobody will read the pinned blocks
+        if "decode" in ctx.open_legs:
+            self.tell(ctx, ctx.decode, "/kv/cancel")
         status = ctx.status
         if ctx.stream and status == "200" and not ctx.decode_done:
             status = "499"                     # the client left mid-stream
