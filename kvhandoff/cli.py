@@ -144,6 +144,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     from kvhandoff.serve.router import RouterConfig, build_router_app, parse_urls
     from kvhandoff.serve.server import serve_forever
 
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("kvhandoff.cli").warning(
+            "binding %s: the router is reachable from other machines and has no client authentication", args.host)
     secret = resolve_secret(args.kv_secret)
     if not secret:
         raise SystemExit(f"kvhandoff router: no deployment secret; set {SECRET_ENV} (or --kv-secret) to the "

@@ -315,6 +315,11 @@ def handoff_of(worker: FakeWorker, tag: str) -> str:
     return [h for h, calls in worker.calls.items() if calls[0]["body"].get("fake", {}).get("tag") == tag][-1]
 
 
+def router_idle(url: str) -> bool:
+    health = httpx.get(url + "/health", timeout=10).json()
+    return health["num_in_flight"] == 0 and all(w["in_flight"] == 0 for w in health["workers"])
+
+
 def wait_until(cond, message: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -333,9 +338,7 @@ def test_client_disconnect_closes_upstream(routed):
     wait_until(lambda: hid in decode.streams_closed_early, "the decode stream stayed open after the client left")
     wait_until(lambda: hid in decode.told_cancel, "the decode worker was not told to cancel")
     assert first["choices"][0]["text"] == "w0"
-    health = httpx.get(router.url + "/health", timeout=10).json()
-    wait_until(lambda: all(w["in_flight"] == 0 for w in httpx.get(router.url + "/health", timeout=10).json()["workers"]),
-               f"in-flight counts not back to 0: {health}")
+    wait_until(lambda: router_idle(router.url), "in-flight counts not back to 0")
     assert 'status="499"' in httpx.get(router.url + "/metrics", timeout=10).text
 
 
@@ -351,8 +354,7 @@ def test_client_gone_during_prefill_cancels_it(routed):
         wait_until(lambda: hid in decode.told_cancel, "the decode worker was not told to cancel")
     else:
         assert hid not in decode.calls                 # pull never got that far
-    wait_until(lambda: all(w["in_flight"] == 0 for w in httpx.get(router.url + "/health", timeout=10).json()["workers"]),
-               "in-flight counts not back to 0")
+    wait_until(lambda: router_idle(router.url), "in-flight counts not back to 0")
 
 
 def test_router_health_models_metrics(routed):
@@ -530,6 +532,7 @@ def test_disaggregated_equals_colocated(mode, colocated_outputs, tmp_path):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(up.url + "/v1/completions", json=body, timeout=0.5)
         wait_pools_at_baseline(up.url)
+        wait_until(lambda: router_idle(up.url), "the router still counts requests in flight")
     finally:
         assert up.stop() == 0, up.text()[-3000:]
     assert all(gone(pid) for pid in pids.values()), pids

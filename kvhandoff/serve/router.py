@@ -44,6 +44,10 @@ PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decod
 # the rest (token ids, block ids, checksums, agent metadata) is protocol payload, not observability.
 PREFILL_FALLBACK_FIELDS = ("bytes_transferred", "blocks", "reused_tokens")
 DONE = "data: [DONE]\n\n"
+# Push: how long the decode side's final answer waits for the prefill's (normally there already: the
+# prefill answers once its WRITE is done, before decode can finish). Bounded, so a prefill that hangs
+# delays nobody's last chunk by more than this.
+PREFILL_ANSWER_GRACE_S = 5.0
 
 
 def parse_urls(spec: str) -> list[str]:
@@ -160,7 +164,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.cursor: dict[str, int] = {}              # per role: where the round-robin tie break resumes
         self.client: httpx.AsyncClient | None = None
-        self.background: set[asyncio.Task] = set()   # fire-and-forget lease releases
+        self.background: set[asyncio.Task] = set()   # health polls, control messages, stream cleanups
+        self.num_in_flight = 0                        # client requests not finished yet
 
     @property
     def workers(self) -> list[Worker]:
@@ -315,8 +320,8 @@ class Router:
     async def merge(self, ctx: Handoff, decode_handoff: dict) -> dict:
         """The client's handoff object: the decode worker's, with the prefill's phases and ours added."""
         prefill, prefill_error = ctx.remote, None
-        if ctx.prefill_task is not None:      # push: the prefill answer normally came long ago
-            await asyncio.wait({ctx.prefill_task}, timeout=max(0.0, ctx.deadline - asyncio.get_running_loop().time()))
+        if ctx.prefill_task is not None:      # push
+            await asyncio.wait({ctx.prefill_task}, timeout=PREFILL_ANSWER_GRACE_S)
             prefill, prefill_error = task_outcome(ctx.prefill_task)
         prefill = prefill or {}
         pre, dec = prefill.get("phases_ms") or {}, decode_handoff.get("phases_ms") or {}
@@ -385,6 +390,7 @@ class Router:
         if ctx.finished:
             return
         ctx.finished = True
+        self.num_in_flight -= 1
         for resp in ctx.upstream:
             await resp.aclose()
         if ctx.prefill_task is not None:
@@ -412,6 +418,7 @@ class Router:
         loop = asyncio.get_running_loop()
         ctx = Handoff(uuid.uuid4().hex, endpoint, False, time.perf_counter(),
                       loop.time() + self.config.request_timeout)
+        self.num_in_flight += 1                       # finish() takes it back, once per request
         try:
             body = await read_json_object(request)
         except P.APIError as e:
@@ -463,7 +470,7 @@ class Router:
             worker.last_health = data if isinstance(data, dict) else {}
             worker.load = int(worker.last_health.get("num_running", 0)) + int(worker.last_health.get("num_waiting", 0))
             status = {"status": "ok" if worker.healthy else "error", **worker.last_health}
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx.HTTPError, ValueError, TypeError) as e:   # TypeError: counts that are not numbers
             worker.healthy = False
             status = {"status": "unreachable", "error": describe(e)}
         return {**status, "url": worker.url, "role": worker.role, "in_flight": worker.in_flight}
@@ -478,7 +485,7 @@ class Router:
         missing = [role for role, ws in (("prefill", self.prefills), ("decode", self.decodes))
                    if not any(w.healthy for w in ws)]
         body = {"status": "error" if missing else "ok", "role": "router", "mode": self.mode,
-                "num_in_flight": sum(w.in_flight for w in self.decodes), "workers": reports}
+                "num_in_flight": self.num_in_flight, "workers": reports}
         if missing:
             body["error"] = f"no healthy {' or '.join(missing)} worker"
         return JSONResponse(body, status_code=503 if missing else 200)
