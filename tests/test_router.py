@@ -288,6 +288,19 @@ def test_router_streams_as_it_arrives(routed):
     assert re.search(rf'kvhandoff_router_handoff_phase_seconds_count{{mode="{mode}",phase="transfer"}} [1-9]', metrics)
 
 
+def test_openai_client_through_the_router(routed):
+    openai = pytest.importorskip("openai")
+    router, _, _, mode = routed
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+    done = client.completions.create(model="fake-model", prompt="hi", max_tokens=3)
+    assert done.choices[0].text == "abc" and done.model_extra["handoff"]["mode"] == mode
+    chunks = list(client.completions.create(model="fake-model", prompt="hi", max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "abc"
+    assert chunks[-1].model_extra["handoff"]["phases_ms"]["prefill_queue"] == 1.0
+    with pytest.raises(openai.BadRequestError, match="reserved"):
+        client.completions.create(model="fake-model", prompt="hi", extra_body={"kv_transfer_params": {}})
+
+
 def test_router_relays_worker_errors(routed):
     router, prefill, decode, mode = routed
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "fake": {"tag": "refused", "decode": {"status": 400}}},
