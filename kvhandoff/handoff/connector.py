@@ -126,7 +126,7 @@ class Connector:
         self.jobs: dict[str, PushJob] = {}              # prefill side, push
         self.incoming: dict[str, Incoming] = {}         # decode side
         self.failed_handoffs: dict[str, tuple[str, float]] = {}   # prefill side: id -> (reason, when)
-        self.peers_by_worker: dict[str, str] = {}
+        self._peer_locks: dict[str, threading.Lock] = {}
         self.counters = {"handoffs": 0, "failures": 0, "lease_expiries": 0, "late_notifications": 0,
                          "verify_failures": 0, "bytes": 0}
         self._lock = threading.RLock()
@@ -147,21 +147,23 @@ class Connector:
     # ---- peers ----------------------------------------------------------------------------------
     def ensure_peer(self, metadata_b64: str) -> str:
         """Connect to (and authenticate) the agent described by `metadata_b64`. Blocking: call it from
-        an HTTP handler's executor, never from the engine thread."""
+        an HTTP handler's executor, never from the engine thread. Concurrent first requests to one
+        peer wait for a single handshake: a second add_peer would replace the connection and fail the
+        transfers already posted on it."""
         metadata = base64.b64decode(metadata_b64)
         try:
             name = json.loads(metadata)["name"]
         except (ValueError, KeyError, TypeError):
             raise HandoffError("malformed agent metadata in the handoff", 400) from None
         with self._lock:
+            peer_lock = self._peer_locks.setdefault(name, threading.Lock())
+        with peer_lock:
             if name in self.agent.peers:
                 return name
-        try:
-            return self.agent.add_peer(metadata)
-        except Exception as exc:
-            if name in self.agent.peers:      # raced with another request adding it
-                return name
-            raise HandoffError(f"cannot connect to the KV agent {name!r}: {exc}", 502) from None
+            try:
+                return self.agent.add_peer(metadata)
+            except Exception as exc:
+                raise HandoffError(f"cannot connect to the KV agent {name!r}: {exc}", 502) from None
 
     def metadata_b64(self) -> str:
         return base64.b64encode(self.agent.metadata()).decode()
@@ -176,9 +178,11 @@ class Connector:
 
     # ---- prefill side ---------------------------------------------------------------------------
     def submit_prefill(self, handoff_id: str, prompt_ids: list[int], params: SamplingParams, mode: str,
-                       on_output: Callable[[RequestOutput], None]) -> None:
-        """Queue the prompt's prefill; `on_output` gets the final output (on the engine thread)."""
+                       on_output: Callable[[RequestOutput], None]) -> PushJob | None:
+        """Queue the prompt's prefill; `on_output` gets the final output (on the engine thread).
+        Push modes return the job, whose `finished` event marks the end of the WRITE."""
         assert mode in MODES
+        job = None
         if mode in PUSH_MODES:
             with self._lock:
                 job = self.jobs.setdefault(handoff_id, PushJob(handoff_id, mode))
@@ -195,6 +199,7 @@ class Connector:
                 self._prefilled(handoff_id, out)
             on_output(out)
         self.loop.submit(handoff_id, prompt_ids, params, on_final, prefill_only=True)
+        return job
 
     def pull_params(self, handoff_id: str, out: RequestOutput, prompt_ids: list[int]) -> dict:
         """The handoff object a pull prefill answers with (checksums computed here, off the engine)."""

@@ -82,7 +82,7 @@ class WorkerHandoff:
             if out.finished:
                 aio.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
         try:
-            self.connector.submit_prefill(kv.handoff_id, prompt_ids, params, kv.mode, on_output)
+            job = self.connector.submit_prefill(kv.handoff_id, prompt_ids, params, kv.mode, on_output)
         except ValueError as exc:
             raise P.APIError(400, str(exc)) from None
         try:
@@ -96,7 +96,6 @@ class WorkerHandoff:
         if kv.mode in PULL_MODES:
             handoff = await aio.run_in_executor(None, self.connector.pull_params, kv.handoff_id, out, prompt_ids)
         else:
-            job = self.connector.jobs.get(kv.handoff_id)
             handoff = {"handoff_id": kv.handoff_id, "prefill_worker": self.connector.worker_name,
                        "num_kv_tokens": out.num_kv_tokens, "blocks": len(out.kv_block_ids or [])}
             if job is not None:     # wait for the WRITE (or its failure) so the phases are complete
