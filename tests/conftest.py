@@ -52,16 +52,20 @@ class ServerProcess:
         return httpx.get(self.url + "/health", timeout=10).json()
 
     def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, then SIGKILL if it has not exited within `timeout`; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
         self.log.close()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout`; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from conftest import stop_process
 from kvhandoff.serve.auth import control_token
 from kvhandoff.serve.launch import free_port
 from kvhandoff.serve.router import Handoff, Router, RouterConfig
@@ -183,15 +184,8 @@ class Proc:
         raise TimeoutError(f"no {pattern.pattern!r} after {timeout:.0f}s:\n{self.text()[-4000:]}")
 
     def stop(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
         self.log.close()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 def start_router(tmp_path: Path, prefill: str, decode: str, mode: str, *extra: str) -> Proc:

@@ -230,3 +230,13 @@ def chat_response(rid: str, created: int, model: str, text: str, finish_reason: 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def http_error(method: str, path: str, status: int, detail) -> APIError:
+    """Starlette's own errors (no route, wrong method) in OpenAI's shape, saying what would work."""
+    message = detail if isinstance(detail, str) else "request failed"
+    if status == 404:
+        message = f"no route {method} {path}; see /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics"
+    elif status == 405:
+        message = f"method {method} is not allowed on {path}"
+    return APIError(status, message)

@@ -622,13 +622,8 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, " \
-                      "/v1/chat/completions, /health, /metrics"
-        elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
-        return JSONResponse(P.APIError(exc.status_code, message).body(), status_code=exc.status_code)
+        return JSONResponse(P.http_error(request.method, request.url.path, exc.status_code, exc.detail).body(),
+                            status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):

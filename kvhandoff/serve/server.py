@@ -413,13 +413,7 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, " \
-                      "/v1/chat/completions, /health, /metrics"
-        elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
-        err = P.APIError(exc.status_code, message)
+        err = P.http_error(request.method, request.url.path, exc.status_code, exc.detail)
         srv.metrics.rejected(endpoint_label(request), exc.status_code)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
