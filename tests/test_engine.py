@@ -3,6 +3,7 @@ never change greedy tokens; sampling options do what they say; every block retur
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -283,3 +284,30 @@ def test_abort_while_waiting_for_kv_sets_blocks_aside_until_settled(prompts):
     assert done.finish_reason == "length" and decode.num_free_blocks == 64 - 4
     decode.settle("quiet")
     assert decode.num_free_blocks == 64
+
+
+def test_abort_of_a_queued_reservation(prompts):
+    """A remote-KV request still waiting for blocks is aborted: it ends with 'abort', the loop lives on."""
+    engine = make_engine(num_blocks=16)
+    engine.reserve_for_remote_kv("hog", prompts[5], GREEDY, len(prompts[5]) - 1)     # 7 of 16 blocks
+    loop = EngineLoop(engine)
+    finished = threading.Event()
+    outputs = []
+
+    def on_output(out):
+        outputs.append(out)
+        finished.set()
+
+    loop.submit_remote("queued", prompts[7], GREEDY, len(prompts[7]) - 1, on_output, lambda blocks: None)
+    assert loop.knows("queued") and not loop.knows("nobody")
+    loop.start()
+    try:
+        time.sleep(0.2)
+        assert loop.knows("queued") and loop.stats()["num_waiting"] == 1      # 10 blocks needed, 9 free
+        loop.abort("queued")
+        assert finished.wait(10) and outputs[-1].finish_reason == "abort"
+        assert not loop.knows("queued") and loop.is_alive()
+    finally:
+        loop.stop()
+    engine.kv_failed("hog", recompute=False, reason="test over")
+    assert engine.num_free_blocks == 16

@@ -89,6 +89,12 @@ class EngineLoop:
             self._inbox.append(item)
             self._wake.notify()
 
+    def knows(self, request_id: str) -> bool:
+        """Whether the request is still queued or running (a racy read: for housekeeping only)."""
+        with self._wake:
+            queued = [i for i in self._inbox if isinstance(i, _Submit)] + list(self._reservations)
+        return request_id in self.engine.requests or any(r.request_id == request_id for r in queued)
+
     def stats(self) -> dict:
         engine = self.engine
         return {"num_free_blocks": engine.num_free_blocks, "num_blocks": engine.num_blocks,
@@ -141,11 +147,14 @@ class EngineLoop:
             waiting = next((r for r in self._reservations if r.request_id == item), None)
             if waiting is not None:         # never reserved: nothing to free
                 self._reservations.remove(waiting)
-                self._callbacks.pop(item, None)
                 return RequestOutput(item, [], "", True, "abort", len(waiting.prompt_token_ids), 0)
             return self.engine.abort(item)
         if isinstance(item, _Call):
-            result = item.fn()
+            try:
+                result = item.fn()
+            except Exception:       # a connector's bug must not stop every other request
+                log.exception("engine call %r failed", item.fn)
+                return None
             return result if isinstance(result, RequestOutput) else None
         if item.num_remote_kv_tokens is not None:
             self._callbacks[item.request_id] = item.on_output
@@ -182,7 +191,7 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            callback = self._callbacks.pop(out.request_id) if out.finished else self._callbacks.get(out.request_id)
+            callback = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
             if callback is None:
                 continue
             try:

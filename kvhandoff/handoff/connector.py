@@ -428,8 +428,8 @@ class Connector:
 
     def _load_failed(self, incoming: Incoming, reason: str, settled: bool) -> None:
         with self._lock:
-            if self.incoming.pop(incoming.handoff_id, None) is None and incoming.failure:
-                return
+            if self.incoming.pop(incoming.handoff_id, None) is None:
+                return          # already settled (arrived, or failed once): a late report changes nothing
         incoming.failure, incoming.settled = reason, settled
         self.counters["failures"] += 1
         log.warning("handoff %s: %s (%s)", incoming.handoff_id, reason, self.cfg.failure_policy)
@@ -534,6 +534,13 @@ class Connector:
                 self._notify(incoming.peer, {"t": "cancel", "id": incoming.handoff_id})
                 self._load_failed(incoming, f"no KV from the prefill worker within {self.cfg.kv_timeout_s:.0f}s",
                                   settled=False)
+            elif incoming.reserved_at is None and now - incoming.arrival > 1.0 and \
+                    not self.loop.knows(incoming.handoff_id):
+                # Aborted before any block was reserved: no transfer can start, just let prefill go.
+                with self._lock:
+                    self.incoming.pop(key, None)
+                self._notify(incoming.peer, {"t": "release" if incoming.mode in PULL_MODES else "cancel",
+                                             "id": incoming.handoff_id})
             elif incoming.mode in PULL_MODES and incoming.reserved_at is None and \
                     now - (incoming.renewed_at or incoming.arrival) > self.cfg.lease_s / 3:
                 incoming.renewed_at = now       # still queued for blocks: keep prefill's lease alive
