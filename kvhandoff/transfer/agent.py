@@ -30,7 +30,7 @@ import numpy as np
 from kvhandoff.transfer import shm
 from kvhandoff.transfer.descriptors import DescList, Plan, plan
 from kvhandoff.transfer.errors import PeerError, TransferError
-from kvhandoff.transfer.handle import Handle, Op, XferState
+from kvhandoff.transfer.handle import Handle, Op
 from kvhandoff.transfer.memory import SHM_DIR, Region, Segment, byte_view, create_segment, sweep_stale_segments
 from kvhandoff.transfer.protocol import Kind, byte_views
 from kvhandoff.transfer.tcp import Channel, Inbound, Server, client_handshake, connect

@@ -13,7 +13,6 @@ every repeat after a warm-up, each from cold caches, and ratios are medians of p
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import statistics
