@@ -89,6 +89,13 @@ class PushJob:
     started: bool = False
     failed: str | None = None
     finished: threading.Event = field(default_factory=threading.Event)
+    on_finished: list[Callable[[], None]] = field(default_factory=list)
+
+    def finish(self) -> None:
+        """Mark the job over (written, failed or cancelled) and tell whoever waits, on any thread."""
+        self.finished.set()
+        for callback in self.on_finished:
+            callback()
     phases: dict = field(default_factory=dict)
     bytes_sent: int = 0
 
@@ -224,7 +231,7 @@ class Connector:
             job.failed = reason
             if job.peer:
                 self._notify(job.peer, {"t": "failed", "id": handoff_id, "reason": reason})
-            job.finished.set()
+            job.finish()
 
     def _prefilled(self, handoff_id: str, out: RequestOutput) -> None:
         with self._lock:
@@ -332,7 +339,7 @@ class Connector:
             if not job.failed:
                 self.counters["handoffs"] += 1
                 self.counters["bytes"] += job.bytes_sent
-            job.finished.set()
+            job.finish()
 
     def cancel_prefill(self, handoff_id: str) -> None:
         """The router gave up on this handoff (client gone): free whatever it holds."""
@@ -344,7 +351,7 @@ class Connector:
                 if job.prefilled is not None:
                     self.loop.call(lambda: self.engine.release_pinned(handoff_id))
                 job.failed = "cancelled"
-                job.finished.set()
+                job.finish()
         self.loop.abort(handoff_id)
 
     # ---- decode side ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ to the Connector, which owns the engine-side and transfer-side work.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -43,6 +44,9 @@ class WorkerHandoff:
         self.server, self.connector, self.role, self.secret = server, connector, role, secret
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0), headers=control_headers(secret))
         self.peer_info: dict[str, str] = {}         # prefill URL -> its agent's peer name
+        # Handshakes and checksums run here, not in asyncio's default executor, so nothing else
+        # queued there can delay a registration.
+        self.pool = ThreadPoolExecutor(8, thread_name_prefix="kvh-http")
         r = server.metrics.registry
         self.handoff_seconds = Histogram("kvhandoff_handoff_seconds", "Handoff duration (this side)",
                                          ["role"], registry=r,
@@ -94,12 +98,12 @@ class WorkerHandoff:
             raise P.APIError(500 if out.finish_reason == "error" else 503,
                              f"prefill did not complete: {out.error or out.finish_reason}")
         if kv.mode in PULL_MODES:
-            handoff = await aio.run_in_executor(None, self.connector.pull_params, kv.handoff_id, out, prompt_ids)
+            handoff = await aio.run_in_executor(self.pool, self.connector.pull_params, kv.handoff_id, out, prompt_ids)
         else:
             handoff = {"handoff_id": kv.handoff_id, "prefill_worker": self.connector.worker_name,
                        "num_kv_tokens": out.num_kv_tokens, "blocks": len(out.kv_block_ids or [])}
             if job is not None:     # wait for the WRITE (or its failure) so the phases are complete
-                await aio.run_in_executor(None, job.finished.wait, 4 * self.connector.cfg.kv_timeout_s)
+                await self._wait_job(job)
                 if job.failed:
                     raise P.APIError(502, job.failed, type="handoff_error")
                 handoff["bytes_transferred"] = job.bytes_sent
@@ -110,6 +114,15 @@ class WorkerHandoff:
         self._observe("prefill", out.timings.get("total_ms"), handoff.get("bytes_transferred"))
         return JSONResponse({"handoff": handoff})
 
+    async def _wait_job(self, job) -> None:
+        """Wait without holding an executor thread: with a thread per waiting prefill, a burst of
+        push requests once took every thread, and the registrations they waited for starved."""
+        aio = asyncio.get_running_loop()
+        finished = asyncio.Event()
+        job.on_finished.append(lambda: aio.call_soon_threadsafe(finished.set))
+        if not job.finished.is_set():
+            await asyncio.wait_for(finished.wait(), 4 * self.connector.cfg.kv_timeout_s)
+
     async def register(self, request: Request) -> JSONResponse:
         check_control(request, self.secret)
         body = await request.json()
@@ -118,7 +131,7 @@ class WorkerHandoff:
                 raise P.APIError(400, f"registration lacks {key!r}")
         aio = asyncio.get_running_loop()
         try:
-            peer = await aio.run_in_executor(None, self.connector.ensure_peer, body["agent_metadata"])
+            peer = await aio.run_in_executor(self.pool, self.connector.ensure_peer, body["agent_metadata"])
             self.connector.register(body, peer)
         except HandoffError as exc:
             raise P.APIError(exc.status, str(exc), type="handoff_error") from None
@@ -130,7 +143,7 @@ class WorkerHandoff:
         aio = asyncio.get_running_loop()
         try:
             if kv.mode in PULL_MODES:
-                peer = await aio.run_in_executor(None, self.connector.ensure_peer, kv.remote["agent_metadata"])
+                peer = await aio.run_in_executor(self.pool, self.connector.ensure_peer, kv.remote["agent_metadata"])
             else:
                 peer = await self._prefill_peer(kv.prefill_url)
         except HandoffError as exc:
@@ -154,7 +167,7 @@ class WorkerHandoff:
                 info = (await self.http.get(f"{url}/kv/info")).raise_for_status().json()
             except httpx.HTTPError as exc:
                 raise HandoffError(f"prefill worker {url} unreachable: {exc}", 502) from None
-            peer = await asyncio.get_running_loop().run_in_executor(None, self.connector.ensure_peer,
+            peer = await asyncio.get_running_loop().run_in_executor(self.pool, self.connector.ensure_peer,
                                                                     info["agent_metadata"])
             self.peer_info[url] = peer
         return peer
