@@ -113,12 +113,10 @@ class Incoming:
     arrival: float = field(default_factory=time.monotonic)
     reserved_at: float | None = None
     renewed_at: float | None = None
-    registered_at: float | None = None
     transfer_s: float = 0.0
     ready_at: float | None = None
     deadline: float | None = None       # push: give up waiting for `done` after this
     settle_at: float | None = None      # push: set-aside blocks are safe to free after this
-    settled: bool = False
     bytes: int = 0
     failure: str | None = None
 
@@ -389,7 +387,6 @@ class Connector:
         return incoming
 
     def registration(self, incoming: Incoming, mode: str, prompt_ids: list[int]) -> dict:
-        incoming.registered_at = time.monotonic()
         return {"handoff_id": incoming.handoff_id, "mode": mode, "decode_worker": self.worker_name,
                 "agent_metadata": self.metadata_b64(), "block_ids": incoming.block_ids,
                 "num_kv_tokens": incoming.num_kv_tokens, "prompt_hash": prompt_hash(prompt_ids),
@@ -419,7 +416,8 @@ class Connector:
         """The bytes are in our blocks: verify them, then let the engine decode."""
         started = time.monotonic()
         got = block_checksums(self.kv, incoming.block_ids)
-        incoming.transfer_s += time.monotonic() - started if incoming.mode in PULL_MODES else 0.0
+        if incoming.mode in PULL_MODES:     # push: decode sees no transfer, only this verification
+            incoming.transfer_s += time.monotonic() - started
         if got != incoming.checksums:
             self.counters["verify_failures"] += 1
             bad = sum(a != b for a, b in zip(got, incoming.checksums or []))
@@ -428,7 +426,7 @@ class Connector:
             return
         with self._lock:
             self.incoming.pop(incoming.handoff_id, None)
-        incoming.ready_at, incoming.settled = time.monotonic(), True
+        incoming.ready_at = time.monotonic()
         self.counters["handoffs"] += 1
         self.counters["bytes"] += incoming.bytes
         self.loop.call(lambda: self.engine.kv_ready(incoming.handoff_id, incoming.num_kv_tokens))
@@ -437,7 +435,7 @@ class Connector:
         with self._lock:
             if self.incoming.pop(incoming.handoff_id, None) is None:
                 return          # already settled (arrived, or failed once): a late report changes nothing
-        incoming.failure, incoming.settled = reason, settled
+        incoming.failure = reason
         self.counters["failures"] += 1
         log.warning("handoff %s: %s (%s)", incoming.handoff_id, reason, self.cfg.failure_policy)
         recompute = self.cfg.failure_policy == "recompute"

@@ -110,7 +110,6 @@ class WorkerHandoff:
             handoff["phases_ms"] = {"prefill_queue": out.timings["queue_ms"],
                                     "prefill_compute": out.timings["prefill_ms"],
                                     **(job.phases if job is not None else {})}
-            handoff["phases_ms"].pop("chunk_starts", None)
         self._observe("prefill", out.timings.get("total_ms"), handoff.get("bytes_transferred"))
         return JSONResponse({"handoff": handoff})
 
