@@ -154,7 +154,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     try:
         config = RouterConfig(prefill_urls=parse_urls(args.prefill), decode_urls=parse_urls(args.decode),
                               mode=args.mode, secret=secret, request_timeout=args.request_timeout,
-                              health_interval=args.health_interval)
+                              health_interval=args.health_interval, retry_colocated=args.retry_colocated)
     except ValueError as e:
         raise SystemExit(f"kvhandoff router: {e}")
     app = build_router_app(config)
@@ -183,6 +183,20 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def parse_cores(spec: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5] (the cpuset list syntax of taskset and /sys)."""
+    cores = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a core list: {spec!r} (e.g. 0 or 0-3 or 0,2)") from None
+    if not cores:
+        raise argparse.ArgumentTypeError(f"no core in {spec!r}")
+    return sorted(cores)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Workers and router on this machine in one command; Ctrl-C stops them all. Unknown flags are
     passed to every worker."""
@@ -191,9 +205,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     worker_args = engine_argv(args) + args.extra
     if args.extra:
         print(f"kvhandoff up: passing {' '.join(args.extra)} to every worker", flush=True)
-    return run(LaunchConfig(mode=args.mode, worker_args=worker_args, num_prefill=args.prefill,
-                            num_decode=args.decode, host=args.host, port=args.port, threads=args.threads,
-                            log_level=args.log_level, startup_timeout=args.startup_timeout))
+    try:
+        router_args = ["--retry-colocated"] if args.retry_colocated else []
+        cfg = LaunchConfig(mode=args.mode, worker_args=worker_args, router_args=router_args,
+                           num_prefill=args.prefill, num_decode=args.decode,
+                           host=args.host, port=args.port, threads=args.threads, cores=args.cores,
+                           log_level=args.log_level, startup_timeout=args.startup_timeout)
+    except ValueError as e:
+        raise SystemExit(f"kvhandoff up: {e}") from None
+    return run(cfg)
 
 
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
@@ -240,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=1.0,
                    help="seconds between /health polls of the workers, for load-aware picking; 0 = off "
                         "(default: %(default)s)")
+    p.add_argument("--retry-colocated", action="store_true",
+                   help="when a prefill worker fails (5xx, unreachable, died), have the decode worker compute the "
+                        "request itself instead of failing it (push: whatever its --kv-load-failure-policy)")
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_router)
 
@@ -251,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for every /health (default: %(default)s)")
+    p.add_argument("--retry-colocated", action="store_true",
+                   help="router: a failed prefill is computed on the decode worker instead (see kvhandoff router -h)")
+    p.add_argument("--cores", type=parse_cores, default=None, metavar="LIST",
+                   help="cores to share out among the workers, e.g. 0 or 0-3 or 0,2 (default: all this process "
+                        "may use)")
     add_engine_args(p)
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_up)

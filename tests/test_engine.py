@@ -231,17 +231,39 @@ def test_handoff_hooks_copy_kv_between_engines(prompts, reference, prefix_cachin
     for rounds in range(2 if prefix_caching else 1):        # round 2 hits the prefill's prefix cache
         for i, prompt in enumerate(prompts):
             handoff_id = f"h{rounds}-{i}"
-            prefill.add_request(handoff_id, prompt, GREEDY, prefill_only=True)
-            _, done = run_until_finished(prefill, handoff_id)
-            assert done.finish_reason == "prefilled" and done.num_kv_tokens == len(prompt) - 1
-            dest = decode.reserve_for_remote_kv(handoff_id, prompt, GREEDY, done.num_kv_tokens)
-            assert len(dest) == len(done.kv_block_ids)
-            decode.runner.kv_cache[dest] = prefill.runner.kv_cache[done.kv_block_ids]
-            prefill.release_pinned(handoff_id)
-            decode.kv_ready(handoff_id, done.num_kv_tokens)
-            tokens, _ = run_until_finished(decode, handoff_id)
-            assert tokens == reference[i], f"prompt {i}"
+            assert handoff(prefill, decode, handoff_id, prompt, GREEDY) == reference[i], f"prompt {i}"
     assert prefill.num_free_blocks == prefill.num_blocks and decode.num_free_blocks == decode.num_blocks
+
+
+def handoff(prefill, decode, handoff_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Prefill-only on one engine, its KV copied into the other's reserved blocks, decode there."""
+    prefill.add_request(handoff_id, prompt, params, prefill_only=True)
+    _, done = run_until_finished(prefill, handoff_id)
+    assert done.finish_reason == "prefilled" and done.num_kv_tokens == len(prompt)
+    assert len(done.new_token_ids) == 1            # the prefill samples the first token itself
+    dest = decode.reserve_for_remote_kv(handoff_id, prompt, params, done.num_kv_tokens)
+    assert len(dest) == len(done.kv_block_ids)
+    decode.runner.kv_cache[dest] = prefill.runner.kv_cache[done.kv_block_ids]
+    prefill.release_pinned(handoff_id)
+    first = decode.kv_ready(handoff_id, done.num_kv_tokens, done.new_token_ids[0])
+    assert first.new_token_ids == done.new_token_ids    # emitted at once, before any decode step
+    if first.finished:
+        return first.new_token_ids
+    tokens, _ = run_until_finished(decode, handoff_id)
+    return first.new_token_ids + tokens
+
+
+def test_handoff_keeps_seeded_sampling_and_short_answers(prompts):
+    """A seeded, sampled request gives the same tokens handed off as colocated (the decode side
+    skips the draw the prefill made), and a one-token answer finishes with the KV's arrival."""
+    colocated, prefill, decode = (make_engine(num_blocks=64) for _ in range(3))
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for k, (prompt, params) in enumerate([(prompts[2], sampled), (prompts[4], sampled), (prompts[1], one)]):
+        expected = colocated.generate([prompt], params)[0]
+        assert handoff(prefill, decode, f"s{k}", prompt, params) == expected
+    for engine in (prefill, decode):
+        assert engine.num_free_blocks == engine.num_blocks and not engine.pinned
 
 
 def test_kv_failure_recomputes_or_errors(prompts, reference):

@@ -200,3 +200,40 @@ def test_push_decode_dies_after_registering(tmp_path, workers):
         decode.stop()
     h = wait_baseline(prefill)
     assert h["num_free_blocks"] == h["num_blocks"] and h["num_pinned_handoffs"] == 0
+
+
+def test_router_reported_prefill_failure_acts_at_once(workers, reference):
+    """/kv/failed: the router saw the push prefill fail. Decode must recompute now (not after its
+    --kv-timeout-s of 30 s) and free the blocks it reserved; the control endpoint rejects bad input
+    with 4xx, never 5xx."""
+    decode = workers["decode"]
+    # The prefill worker accepts the registration, but its prefill leg never comes: only the report can end it.
+    request = {**body(PROMPTS[3]), "kv_transfer_params": {"handoff_id": "reported", "mode": "push",
+                                                          "role": "decode", "prefill_url": workers["prefill"].url}}
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        pending = pool.submit(httpx.post, f"{decode.url}/v1/completions", json=request, headers=HEADERS, timeout=90)
+        while decode.health()["num_waiting_for_kv"] == 0 and time.monotonic() < started + 30:
+            time.sleep(0.05)
+        bad = [({"reason": "no id"}, 400), (["not", "an", "object"], 400)]
+        for payload, status in bad:
+            assert httpx.post(f"{decode.url}/kv/failed", json=payload, headers=HEADERS, timeout=10).status_code == status
+        assert httpx.post(f"{decode.url}/kv/failed", content=b"{not json", headers=HEADERS, timeout=10).status_code == 400
+        assert httpx.post(f"{decode.url}/kv/failed", json={"handoff_id": "reported"}, timeout=10).status_code == 401
+        assert httpx.post(f"{workers['prefill'].url}/kv/failed", json={"handoff_id": "reported"}, headers=HEADERS,
+                          timeout=10).status_code == 400
+        r = httpx.post(f"{decode.url}/kv/failed", headers=HEADERS, timeout=10,
+                       json={"handoff_id": "reported", "reason": "prefill answered 500", "prefill_answered": True})
+        assert r.status_code == 200 and r.json() == {"failed": True}
+        response = pending.result()
+        elapsed = time.monotonic() - started
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == reference[3]
+    report = response.json()["handoff"]
+    assert report["kv_source"] == "recomputed" and "router reported" in report["error"]
+    assert elapsed < 25, f"decode waited {elapsed:.1f} s: it must not sit out its 30 s KV timeout"
+    # A second report, or one for a handoff nobody waits for, changes nothing.
+    again = httpx.post(f"{decode.url}/kv/failed", json={"handoff_id": "reported"}, headers=HEADERS, timeout=10)
+    assert again.json() == {"failed": False}
+    h = wait_baseline(decode)
+    assert h["num_free_blocks"] == h["num_blocks"] and h["num_quarantined"] == 0

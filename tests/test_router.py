@@ -50,6 +50,7 @@ class FakeWorker:
         self.calls: dict[str, list[dict]] = {}
         self.released: list[str] = []          # /kv/release
         self.told_cancel: list[str] = []       # /kv/cancel
+        self.told_failed: list[dict] = []      # /kv/failed bodies
         self.streams_closed_early: list[str] = []
         self.cancelled: list[str] = []
         self.port = free_port()
@@ -87,6 +88,11 @@ class FakeWorker:
             self.told_cancel.append((await request.json())["handoff_id"])
             return {"cancelled": True}
 
+        @app.post("/kv/failed")
+        async def failed(request: Request):
+            self.told_failed.append(await request.json())
+            return {"failed": True}
+
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
         async def generate(request: Request):
@@ -121,7 +127,9 @@ class FakeWorker:
             if not body.get("stream"):
                 return {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "".join(words),
                         "finish_reason": "length"}], "handoff": handoff}
-            return StreamingResponse(self.sse(hid, words, fake.get("gap", 0.0), handoff), media_type="text/event-stream")
+            # Like a real worker: a plain (colocated) request gets no handoff object.
+            return StreamingResponse(self.sse(hid, words, fake.get("gap", 0.0), handoff if kv else None),
+                                     media_type="text/event-stream")
 
         return app
 
@@ -133,7 +141,9 @@ class FakeWorker:
                 chunk = {"id": "cmpl-1", "object": "text_completion",
                          "choices": [{"index": 0, "text": w, "finish_reason": "length" if last else None}]}
                 if last:
-                    chunk["handoff"] = handoff
+                    chunk["timings"] = {"ttft_ms": 1.0}
+                    if handoff:
+                        chunk["handoff"] = handoff
                 yield f"data: {json.dumps(chunk)}\n\n"
                 await asyncio.sleep(gap)
             yield "data: [DONE]\n\n"
@@ -315,6 +325,71 @@ def test_router_relays_worker_errors(routed):
     if mode == "push":
         hid = handoff_of(prefill, "prefill-refused")
         wait_until(lambda: hid in decode.cancelled, "the decode worker's request was not closed")
+
+
+def streamed(url: str, body: dict) -> tuple[int, str, dict | None]:
+    """(status, text, handoff object) of a streamed completion through the router."""
+    text, handoff = "", None
+    with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}, timeout=20) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += "".join(c["text"] for c in chunk.get("choices", []))
+                handoff = chunk.get("handoff", handoff)
+        return r.status_code, text, handoff
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_retry_colocated_when_the_prefill_fails(fakes, tmp_path, mode):
+    """--retry-colocated: a prefill worker that is unreachable or answers 5xx before the answer started
+    gets the request computed colocated on the decode worker (sent as the client sent it); a prefill
+    that refuses the request (4xx) is still relayed, since the decode worker would refuse it too."""
+    prefill, decode = fakes
+    dead = f"http://127.0.0.1:{free_port()}"
+    for prefill_url, prefill_fake in ((dead, {}), (prefill.url, {"status": 500})):
+        router = start_router(tmp_path, prefill_url, decode.url, mode, "--retry-colocated", "--health-interval", "0")
+        try:
+            for stream in (False, True):
+                tag = f"retry-{mode}-{stream}-{prefill_fake}"
+                # decode delays its (KV-waiting) answer, as a real one would: the prefill fails first
+                body = {"prompt": "x", "fake": {"tag": tag, "prefill": prefill_fake, "decode": {"delay": 3}}}
+                if stream:
+                    status, text, handoff = streamed(router.url, body)
+                else:
+                    r = httpx.post(router.url + "/v1/completions", json=body, timeout=20)
+                    status, text, handoff = r.status_code, r.json()["choices"][0]["text"], r.json()["handoff"]
+                assert (status, text) == (200, "abc")
+                assert handoff["kv_source"] == "retried_colocated" and "prefill failed" in handoff["retried_colocated"]
+                plain = [c for c in decode.calls.get("none", []) if c["body"].get("fake", {}).get("tag") == tag]
+                assert len(plain) == 1 and "kv_transfer_params" not in plain[0]["body"]
+            refused = {"prompt": "x", "fake": {"prefill": {"status": 400}, "decode": {"delay": 3}}}
+            if prefill_url != dead:
+                assert httpx.post(router.url + "/v1/completions", json=refused, timeout=20).status_code == 400
+        finally:
+            router.stop()
+        assert "Traceback" not in router.text()
+
+
+def test_push_prefill_failure_is_reported_to_decode(fakes, tmp_path):
+    """Push, decode answer already streaming when the prefill answers 5xx: the decode worker is told
+    at once (/kv/failed) rather than left to its KV timeout; with --retry-colocated it is asked to
+    recompute whatever its own policy."""
+    prefill, decode = fakes
+    for extra, expect_recompute in (((), None), (("--retry-colocated",), True)):
+        router = start_router(tmp_path, prefill.url, decode.url, "push", "--health-interval", "0", *extra)
+        try:
+            tag = f"reported-{bool(extra)}"
+            body = {"prompt": "x", "fake": {"tag": tag, "prefill": {"status": 500, "delay": 0.5},
+                                            "decode": {"words": ["a", "b"], "gap": 1.0}}}
+            status, text, _ = streamed(router.url, body)
+            assert (status, text) == (200, "ab")
+            hid = handoff_of(decode, tag)
+            wait_until(lambda: any(f["handoff_id"] == hid for f in decode.told_failed), "decode was not told")
+            report = next(f for f in decode.told_failed if f["handoff_id"] == hid)
+            assert report["prefill_answered"] is True and "fake prefill error" in report["reason"]
+            assert report.get("recompute") is expect_recompute
+        finally:
+            router.stop()
 
 
 def handoff_of(worker: FakeWorker, tag: str) -> str:

@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import textwrap
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from kvhandoff.bench.meta import cpu_model, git_commit, log, median
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
 from kvhandoff.engine.request import SamplingParams
@@ -59,35 +59,6 @@ GOAL_X_HF = 1.0                 # >= 1.0x HF everywhere
 BUSY_WAIT_SHARE = 0.05          # a run whose threads waited for a core longer than this shared them
 
 _ids = itertools.count()
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def git_commit() -> str:
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-            return next(names, platform.processor())
-    except OSError:
-        return platform.processor()
 
 
 def runqueue_wait_ns() -> dict[int, int] | None:

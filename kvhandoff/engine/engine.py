@@ -65,7 +65,7 @@ class LLMEngine:
         kv_memory = None if kv_allocator is None else kv_allocator(num_blocks * self.block_bytes)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size, kv_memory)
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
-        self.sampler = Sampler(self.eos_token_ids, cfg.seed)
+        self.sampler = Sampler(self.eos_token_ids, self.model_config.vocab_size, cfg.seed)
         self.requests: dict[str, Request] = {}
         self.pinned: dict[str, list[int]] = {}          # prefill-only request id -> blocks held for a handoff
         # Reserved blocks a transfer may still write into although their request is gone (aborted,
@@ -107,14 +107,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival: float | None = None, prefill_only: bool = False) -> Request:
-        """Queue a request. `prefill_only`: compute the prompt's KV (all tokens but the last) and
-        finish with reason "prefilled", the blocks pinned until release_pinned()."""
+        """Queue a request. `prefill_only`: compute the whole prompt's KV, sample the first token (so
+        it comes from the same computation as colocated: same chunks, same rounding) and finish with
+        reason "prefilled", the blocks pinned until release_pinned()."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival)
         request.prefill_only = prefill_only
-        if prefill_only and request.num_target_tokens == 0:
-            # A one-token prompt has no KV to hand off: done before it starts.
-            self._done_at_once.append(self._finish(request, FinishReason.PREFILLED, keep_blocks=True))
-            return request
         self.scheduler.add(request)
         return request
 
@@ -134,7 +131,7 @@ class LLMEngine:
         """Allocate blocks for `num_kv_tokens` of K/V that another worker will deliver; the request
         waits in WAITING_FOR_KV. Returns the block ids, or None (nothing changed) if the pool is
         too full right now."""
-        assert 0 <= num_kv_tokens < len(prompt_token_ids)
+        assert 0 < num_kv_tokens <= len(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         need = self.scheduler.blocks_for(num_kv_tokens)
         if need > self.pool.num_free:
@@ -145,14 +142,22 @@ class LLMEngine:
         self.scheduler.add(request)
         return list(request.block_table)
 
-    def kv_ready(self, request_id: str, num_kv_tokens: int) -> None:
-        """The reserved blocks now hold verified K/V: schedule the request for decoding. (If it was
+    def kv_ready(self, request_id: str, num_kv_tokens: int, first_token: int | None = None) -> RequestOutput | None:
+        """The reserved blocks now hold verified K/V: schedule the request for decoding. With the whole
+        prompt's K/V comes the first token the prefill sampled: it is emitted now (the client's first
+        token does not wait for a decode step) and the next step decodes after it. (If the request was
         aborted meanwhile, its blocks were only waiting for the transfer to settle: free them.)"""
         request = self.requests.get(request_id)
         if request is None:
             self.settle(request_id)
-            return
+            return None
         self.scheduler.kv_arrived(request, num_kv_tokens)
+        if first_token is None:
+            assert num_kv_tokens < request.num_prompt_tokens, "a whole prompt's K/V comes with its first token"
+            return None
+        assert num_kv_tokens == request.num_prompt_tokens
+        self.sampler.skip(request)      # the prefill drew the first token from this request's stream
+        return self._append_token(request, first_token, time.monotonic())
 
     def kv_failed(self, request_id: str, recompute: bool, reason: str, settled: bool = True) -> RequestOutput | None:
         """The K/V will not arrive, or failed verification: recompute the prompt here, or end the
@@ -217,19 +222,22 @@ class LLMEngine:
             log.exception("forward pass failed")
             return done + [self._finish(c.request, FinishReason.ERROR, f"forward pass failed: {exc}") for c in chunks]
         sampling = [c.request for c in chunks if c.samples]
-        prefilled = [c.request for c in chunks if c.completes and c.request.prefill_only]
         token_ids = self.sampler.sample(logits, sampling) if sampling else []
         self.scheduler.after_step(chunks)
         now = time.monotonic()
-        done += [self._append_token(request, token, now) for request, token in zip(sampling, token_ids)]
-        for request in prefilled:
-            request.timings.first_token = now       # for a prefill worker, "first output" is the KV
-            done.append(self._finish(request, FinishReason.PREFILLED, keep_blocks=True))
+        for request, token in zip(sampling, token_ids):
+            if request.prefill_only:        # the KV and the first token go to a decode worker
+                request.timings.first_token = now
+                done.append(self._finish(request, FinishReason.PREFILLED, new_token_ids=[token], keep_blocks=True))
+            else:
+                done.append(self._append_token(request, token, now))
         return done
 
     def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
         if request.timings.first_token is None:
             request.timings.first_token = now
+        elif request.timings.second_token is None:
+            request.timings.second_token = now
         request.output_token_ids.append(token)
         params, n_out = request.params, len(request.output_token_ids)
         reason = None

@@ -57,6 +57,7 @@ class Timings:
     first_scheduled: float | None = None
     kv_ready: float | None = None       # remote KV verified and queued (decode side of a handoff)
     first_token: float | None = None
+    second_token: float | None = None   # decode side of a handoff: the end of its first forward step
     finished: float | None = None
 
     def as_ms(self) -> dict[str, float]:
@@ -68,7 +69,8 @@ class Timings:
             "ttft_ms": ms(self.arrival, self.first_token),
             "decode_ms": ms(self.first_token, self.finished),
             "total_ms": ms(self.arrival, self.finished),
-            **({"decode_queue_ms": ms(self.kv_ready, self.first_scheduled)} if self.kv_ready else {}),
+            **({"decode_queue_ms": ms(self.kv_ready, self.first_scheduled),
+                "first_step_ms": ms(self.first_scheduled, self.second_token)} if self.kv_ready else {}),
         }
 
 
@@ -103,8 +105,8 @@ class Request:
 
     @property
     def num_target_tokens(self) -> int:
-        """Tokens whose K/V must be computed before this request samples (or, prefill-only, hands off)."""
-        return self.num_prompt_tokens - 1 if self.prefill_only else self.num_tokens
+        """Tokens whose K/V must be computed before this request samples its next token."""
+        return self.num_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -129,5 +131,6 @@ class RequestOutput:
     timings: dict | None = None         # set on the final output (Timings.as_ms)
     error: str | None = None            # set when finish_reason is "error"
     kv_block_ids: list[int] | None = None   # finish_reason "prefilled": the pinned blocks holding the KV
-    num_kv_tokens: int = 0                  # ... and how many tokens of K/V they hold
+    num_kv_tokens: int = 0                  # ... how many tokens of K/V they hold (the whole prompt); the
+                                            # first output token, sampled by the prefill, is new_token_ids[0]
     handoff: dict | None = None             # decode side of a handoff: what the connector reports

@@ -7,8 +7,8 @@ from kvhandoff.engine.request import Request
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int], seed: int = 0):
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, eos_token_ids: list[int], vocab_size: int, seed: int = 0):
+        self.eos_token_ids, self.vocab_size = eos_token_ids, vocab_size
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
 
@@ -54,6 +54,15 @@ class Sampler:
         if gen is None:
             gen = self.request_generators[request.request_id] = torch.Generator().manual_seed(request.params.seed)
         return gen
+
+    def skip(self, request: Request) -> None:
+        """Advance a seeded request's random stream past one draw, made elsewhere (a prefill worker
+        sampled its first token): the next draw is then the one colocated serving would make.
+        multinomial without replacement consumes one number per vocabulary entry whatever the
+        probabilities, so a uniform draw over the same vocabulary advances the stream identically."""
+        if request.params.greedy or request.params.seed is None:
+            return
+        torch.multinomial(torch.ones(self.vocab_size), 1, generator=self._generator(request))
 
     def forget(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)

@@ -24,13 +24,9 @@ class ScheduledChunk:
     num_new_tokens: int                 # computed this step, from request.num_computed_tokens
 
     @property
-    def completes(self) -> bool:
-        """This chunk reaches the request's target: the step samples for it (or, prefill-only, hands off)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_target_tokens
-
-    @property
     def samples(self) -> bool:
-        return self.completes and not self.request.prefill_only
+        """This chunk reaches the request's target: the step samples a token for it."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_target_tokens
 
 
 class Scheduler:

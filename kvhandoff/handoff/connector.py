@@ -109,6 +109,7 @@ class Incoming:
     peer: str | None = None
     remote_blocks: list[int] = field(default_factory=list)     # pull: known up front
     checksums: list[int] | None = None                         # pull: up front; push: with `done`
+    first_token: int | None = None                             # sampled by the prefill; arrives like checksums
     block_ids: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     reserved_at: float | None = None
@@ -209,12 +210,14 @@ class Connector:
     def pull_params(self, handoff_id: str, out: RequestOutput, prompt_ids: list[int]) -> dict:
         """The handoff object a pull prefill answers with (checksums computed here, off the engine)."""
         return {"handoff_id": handoff_id, "prefill_worker": self.worker_name, "prompt_token_ids": prompt_ids,
-                "num_kv_tokens": out.num_kv_tokens, "block_ids": out.kv_block_ids,
+                "num_kv_tokens": out.num_kv_tokens, "first_token_id": out.new_token_ids[0],
+                "block_ids": out.kv_block_ids,
                 "checksums": block_checksums(self.kv, out.kv_block_ids), "lease_ms": ms(self.cfg.lease_s),
                 "agent_metadata": self.metadata_b64(),
                 "phases_ms": {"prefill_queue": out.timings["queue_ms"], "prefill_compute": out.timings["prefill_ms"]}}
 
-    def _release_lease(self, handoff_id: str) -> bool:
+    def release_lease(self, handoff_id: str) -> bool:
+        """Prefill side: the pinned KV of this handoff will not be read; unpin it (idempotent)."""
         lease = self.leases.release(handoff_id)
         if lease is None:
             return False
@@ -318,7 +321,8 @@ class Connector:
             rest = slice(job.sent_tokens // self.engine.block_size, None)
             local, remote = out.kv_block_ids[rest], reg["block_ids"][rest]
             checksums = block_checksums(self.kv, out.kv_block_ids)
-            done = json.dumps({"t": "done", "id": handoff_id, "checksums": checksums}).encode()
+            done = json.dumps({"t": "done", "id": handoff_id, "checksums": checksums,
+                               "first_token": out.new_token_ids[0]}).encode()
             if local:
                 handle = self.agent.write(job.peer, self.layout.block_descs(local), self.layout.block_descs(remote),
                                           notify=done).wait(self.cfg.kv_timeout_s)
@@ -341,7 +345,7 @@ class Connector:
 
     def cancel_prefill(self, handoff_id: str) -> None:
         """The router gave up on this handoff (client gone): free whatever it holds."""
-        self._release_lease(handoff_id)
+        self.release_lease(handoff_id)
         with self._lock:
             job = self.jobs.get(handoff_id)
             if job is not None and not job.started:
@@ -359,12 +363,15 @@ class Connector:
         """Queue a request whose KV comes from a prefill worker. Pull: `remote` is the prefill's
         handoff object and `peer` its agent. Push: `register(incoming)` is called (engine thread) once
         blocks are reserved and must deliver the registration to the prefill worker."""
-        num_kv = len(prompt_ids) - 1
+        num_kv = len(prompt_ids)            # the whole prompt; the prefill also sampled the first token
         incoming = Incoming(handoff_id, mode, num_kv, peer=peer)
         if remote is not None:
             if remote["num_kv_tokens"] != num_kv or remote["prompt_token_ids"] != prompt_ids:
                 raise HandoffError("the handoff object does not match the prompt", 400)
             incoming.remote_blocks, incoming.checksums = list(remote["block_ids"]), list(remote["checksums"])
+            incoming.first_token = remote.get("first_token_id")
+            if not self._is_token(incoming.first_token):
+                raise HandoffError("the handoff object lacks a valid first_token_id", 400)
         with self._lock:
             self.incoming[handoff_id] = incoming
 
@@ -414,6 +421,9 @@ class Connector:
 
     def _arrived(self, incoming: Incoming) -> None:
         """The bytes are in our blocks: verify them, then let the engine decode."""
+        if not self._is_token(incoming.first_token):
+            self._load_failed(incoming, f"the prefill sent no valid first token ({incoming.first_token!r})", settled=True)
+            return
         started = time.monotonic()
         got = block_checksums(self.kv, incoming.block_ids)
         if incoming.mode in PULL_MODES:     # push: decode sees no transfer, only this verification
@@ -429,16 +439,31 @@ class Connector:
         incoming.ready_at = time.monotonic()
         self.counters["handoffs"] += 1
         self.counters["bytes"] += incoming.bytes
-        self.loop.call(lambda: self.engine.kv_ready(incoming.handoff_id, incoming.num_kv_tokens))
+        self.loop.call(lambda: self.engine.kv_ready(incoming.handoff_id, incoming.num_kv_tokens, incoming.first_token))
 
-    def _load_failed(self, incoming: Incoming, reason: str, settled: bool) -> None:
+    def _is_token(self, token) -> bool:
+        return isinstance(token, int) and 0 <= token < self.engine.model_config.vocab_size
+
+    def fail_incoming(self, handoff_id: str, reason: str, settled: bool = True, recompute: bool | None = None) -> bool:
+        """Decode side: the KV of this handoff will not come (told by the router or the HTTP layer);
+        recompute or fail by policy (or as `recompute` says). `settled=False` when a transfer into its
+        blocks may still be under way: they stay aside until the push deadline. False if the handoff
+        was not waiting for KV."""
+        incoming = self.incoming.get(handoff_id)
+        if incoming is None:
+            return False
+        self._load_failed(incoming, reason, settled=settled, recompute=recompute)
+        return True
+
+    def _load_failed(self, incoming: Incoming, reason: str, settled: bool, recompute: bool | None = None) -> None:
         with self._lock:
             if self.incoming.pop(incoming.handoff_id, None) is None:
                 return          # already settled (arrived, or failed once): a late report changes nothing
         incoming.failure = reason
         self.counters["failures"] += 1
-        log.warning("handoff %s: %s (%s)", incoming.handoff_id, reason, self.cfg.failure_policy)
-        recompute = self.cfg.failure_policy == "recompute"
+        if recompute is None:
+            recompute = self.cfg.failure_policy == "recompute"
+        log.warning("handoff %s: %s (%s)", incoming.handoff_id, reason, "recompute" if recompute else "fail")
         self.loop.call(lambda: self.engine.kv_failed(incoming.handoff_id, recompute, reason, settled=settled))
         if not settled:
             with self._lock:
@@ -457,7 +482,8 @@ class Connector:
             phases["transfer"] = ms(incoming.transfer_s)
         if incoming.ready_at is not None:
             phases["decode_queue"] = t.get("decode_queue_ms")
-            phases["first_step"] = t.get("prefill_ms")      # the decode side's prefill is one token
+            # The first token came with the KV; the decode's first step makes the second one.
+            phases["first_step"] = t.get("first_step_ms")
         if incoming.failure:
             report["error"] = incoming.failure
         return report
@@ -482,7 +508,7 @@ class Connector:
 
     def _on_notification(self, peer: str, kind: str, handoff_id: str, msg: dict) -> None:
         if kind == "release":
-            if not self._release_lease(handoff_id):
+            if not self.release_lease(handoff_id):
                 self.counters["late_notifications"] += 1
         elif kind == "renew":
             if not self.leases.renew(handoff_id):
@@ -500,7 +526,7 @@ class Connector:
                     self.incoming.pop(f"settle:{handoff_id}", None)
                 self.loop.call(lambda: self.engine.settle(handoff_id))
             elif kind == "done":
-                incoming.checksums = msg.get("checksums")
+                incoming.checksums, incoming.first_token = msg.get("checksums"), msg.get("first_token")
                 incoming.bytes = incoming.bytes or len(incoming.block_ids) * self.layout.block_bytes
                 self._arrived(incoming)
             else:

@@ -9,10 +9,11 @@ all (router first, so no new work arrives), SIGKILL after a grace period.
 Colocated mode runs one plain worker that serves the front port itself, with no router in front: the
 baseline disaggregation is measured against is the plain server, not the plain server plus a hop.
 
-Cores: each worker gets its own share of the cores this process may use (prefill first: with 1+1
+Cores: each worker gets its own share of the cores this process may use, or of `--cores` (prefill first: with 1+1
 workers on 2 cores, prefill on core 0 and decode on core 1), pinned with sched_setaffinity and given
 `--threads` to match, so torch neither oversubscribes nor steals from the neighbour. With fewer cores
-than workers nothing is pinned and each worker gets an equal thread count instead.
+than workers nothing is pinned and each worker gets an equal thread count instead. A colocated worker
+is pinned to all of them (`--cores 0`: colocated on one core, the baseline a 1+1 split is compared to).
 """
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ MODES = ("colocated", "pull", "pull-reader", "push", "push-layerwise")
 class LaunchConfig:
     mode: str
     worker_args: list[str]           # engine and worker flags, passed to every worker as they are
+    router_args: list[str] = field(default_factory=list)   # flags for the router (disaggregated modes)
     num_prefill: int = 1
     num_decode: int = 1
     host: str = "127.0.0.1"          # the front (router, or the colocated worker) binds here
     port: int = 8000                 # 0 picks a free one
     threads: int = 0                 # per worker; 0 = match the cores it owns
+    cores: list[int] | None = None   # the cores to share out; None = every core this process may use
     log_level: str = "info"
     startup_timeout: float = 600.0   # loading a real model on a busy CPU takes a while
     stop_timeout: float = 15.0
@@ -50,6 +53,11 @@ class LaunchConfig:
     def __post_init__(self):
         assert self.mode in MODES, f"mode must be one of {MODES}"
         assert self.num_prefill >= 1 and self.num_decode >= 1, "at least one prefill and one decode worker"
+        if self.cores is not None:
+            allowed = os.sched_getaffinity(0)
+            if not self.cores or not set(self.cores) <= allowed:
+                raise ValueError(f"--cores {self.cores} is not a subset of the cores this process may use "
+                                 f"({','.join(map(str, sorted(allowed)))})")
 
 
 @dataclass
@@ -93,7 +101,7 @@ def kvhandoff_cmd(*args: str) -> list[str]:
 
 def plan(cfg: LaunchConfig) -> list[Child]:
     """The children to start, workers first, each with its command line, URL and cores."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(cfg.cores or os.sched_getaffinity(0))
     port = cfg.port or free_port(cfg.host)
     host_in_url = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     common = ["--log-level", cfg.log_level]
@@ -101,7 +109,7 @@ def plan(cfg: LaunchConfig) -> list[Child]:
         threads = cfg.threads or len(cores)
         return [Child("worker", kvhandoff_cmd("serve", "--host", cfg.host, "--port", str(port), *common,
                                               *cfg.worker_args, "--threads", str(threads)),
-                      f"http://{host_in_url}:{port}")]
+                      f"http://{host_in_url}:{port}", cores)]
     names = [f"prefill-{i}" for i in range(cfg.num_prefill)] + [f"decode-{i}" for i in range(cfg.num_decode)]
     shares = core_shares(cores, len(names))
     children = []
@@ -116,12 +124,12 @@ def plan(cfg: LaunchConfig) -> list[Child]:
     urls = lambda role: ",".join(c.url for c in children if c.name.startswith(role))
     children.append(Child("router", kvhandoff_cmd("router", "--prefill", urls("prefill"), "--decode", urls("decode"),
                                                   "--mode", cfg.mode, "--host", cfg.host, "--port", str(port),
-                                                  *common),
+                                                  *common, *cfg.router_args),
                           f"http://{host_in_url}:{port}"))
     return children
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """preexec_fn: the kernel sends the child SIGTERM if the launcher dies without cleaning up (SIGKILL)."""
     PR_SET_PDEATHSIG = 1
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -135,7 +143,7 @@ def start(children: list[Child], env: dict[str, str]) -> None:
     for child in children:
         child.proc = subprocess.Popen(child.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True,  # Ctrl-C is ours to pass on
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=die_with_parent)
         if child.cores:
             # Right after spawn, long before the child imports torch, so every thread it makes inherits it.
             os.sched_setaffinity(child.proc.pid, child.cores)

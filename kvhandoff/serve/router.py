@@ -73,6 +73,11 @@ class RouterConfig:
     request_timeout: float = 600.0        # whole-request deadline, streams included
     connect_timeout: float = 5.0
     health_interval: float = 1.0          # seconds between /health polls of every worker; 0 = never
+    # A prefill leg that fails (5xx, or the worker cannot be reached or dies) before the decode answer
+    # started is retried as a plain request on the decode worker, which then computes it colocated;
+    # after the answer started the decode worker is told to recompute. Off: the client gets the error
+    # (pull) or the decode worker's --kv-load-failure-policy decides (push).
+    retry_colocated: bool = False
 
     def __post_init__(self):
         assert self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"
@@ -117,6 +122,8 @@ class Handoff:
     status: str = "200"                           # metrics label of the outcome
     decode_done: bool = False                     # the decode worker's answer was read to the end
     first_token_ms: float | None = None           # streams: when the first generated text went out
+    decode_opened: bool = False                   # the decode worker's answer has started (status line read)
+    retried: str | None = None                    # why the request was retried colocated on the decode worker
     finished: bool = False
 
     def ms(self) -> float:
@@ -264,13 +271,13 @@ class Router:
                              "running with --role prefill?", type="server_error", code="bad_worker_answer")
         return handoff
 
-    def tell(self, ctx: Handoff, worker: Worker, path: str) -> None:
-        """Fire-and-forget control message about this handoff (/kv/cancel, /kv/release). Both are
-        idempotent on the worker, so telling a worker that already knows costs nothing."""
+    def tell(self, ctx: Handoff, worker: Worker, path: str, **fields) -> None:
+        """Fire-and-forget control message about this handoff (/kv/cancel, /kv/release, /kv/failed).
+        All are idempotent on the worker, so telling a worker that already knows costs nothing."""
         async def send():
             try:
-                await self.client.post(worker.url + path, json={"handoff_id": ctx.handoff_id}, headers=self.auth,
-                                       timeout=5.0)
+                await self.client.post(worker.url + path, json={"handoff_id": ctx.handoff_id, **fields},
+                                       headers=self.auth, timeout=5.0)
             except httpx.HTTPError as e:
                 log.warning("handoff %s: %s on %s failed: %s", ctx.handoff_id, path, worker.url, describe(e))
         self.spawn(send())
@@ -280,15 +287,23 @@ class Router:
         """Everything up to the answer's status line: both legs started, the decode answer open."""
         if self.mode.startswith("pull"):
             ctx.prefill = self.pick(ctx, self.prefills)
-            ctx.remote = await self.call_prefill(ctx, ctx.endpoint, body)
-            ctx.decode = self.pick(ctx, self.decodes)        # late binding: load as it is now
-            resp = await self.post(ctx, ctx.decode, ctx.endpoint,
-                                   self.worker_body(ctx, body, "decode", remote=ctx.remote))
+            try:
+                ctx.remote = await self.call_prefill(ctx, ctx.endpoint, body)
+            except (Relay, P.APIError) as e:
+                if not self.may_retry(e):
+                    raise
+                resp = await self.retry_colocated(ctx, body, e)
+            else:
+                ctx.decode = self.pick(ctx, self.decodes)        # late binding: load as it is now
+                resp = await self.post(ctx, ctx.decode, ctx.endpoint,
+                                       self.worker_body(ctx, body, "decode", remote=ctx.remote))
+            ctx.decode_opened = True
         else:
             ctx.decode = self.pick(ctx, self.decodes)        # early binding: at arrival
             ctx.prefill = self.pick(ctx, self.prefills)
             ctx.prefill_task = asyncio.ensure_future(
                 self.call_prefill(ctx, ctx.endpoint, body, decode_url=ctx.decode.url))
+            ctx.prefill_task.add_done_callback(lambda task: self.push_prefill_done(ctx, task))
             resp = await self.open_push_decode(ctx, body)
         if ctx.stream:
             # finish() awaits (closing upstream), and SSEResponse calls on_close synchronously once the
@@ -297,7 +312,9 @@ class Router:
         data = await self.read_json(ctx.decode, resp)
         ctx.decode_done = True
         ctx.open_legs.discard("decode")
-        if isinstance(data.get("handoff"), dict):
+        if ctx.retried:
+            data["handoff"] = self.retried_handoff(ctx)
+        elif isinstance(data.get("handoff"), dict):
             data["handoff"] = await self.merge(ctx, data["handoff"])
         return JSONResponse(data)
 
@@ -308,14 +325,62 @@ class Router:
             await asyncio.wait({ctx.prefill_task, decode}, return_when=asyncio.FIRST_COMPLETED)
             # Before the decode answer starts, a prefill that refused the request (4xx) or cannot be
             # reached ends it: the decode side would only wait for KV that never comes. Later (or on a
-            # 5xx) the decode worker hears of it through the protocol and recomputes or fails by policy.
-            if not decode.done() and prefill_refused(ctx.prefill_task):
-                ctx.prefill_task.result()
-            return await decode
+            # 5xx) the decode worker hears of it (protocol or /kv/failed) and recomputes or fails by policy.
+            failure = None if decode.done() else task_error(ctx.prefill_task)
+            if failure is not None and self.may_retry(failure):
+                decode.cancel()                # closes the leg: the decode worker drops its reservation
+                await asyncio.wait({decode})
+                ctx.open_legs.discard("decode")
+                self.tell(ctx, ctx.decode, "/kv/cancel")
+                return await self.retry_colocated(ctx, body, failure)
+            if failure is not None and prefill_refused(ctx.prefill_task):
+                raise failure
+            resp = await decode
+            ctx.decode_opened = True
+            return resp
         finally:
             if not decode.done():
                 decode.cancel()
                 await asyncio.wait({decode})
+
+    def push_prefill_done(self, ctx: Handoff, task: asyncio.Task) -> None:
+        """Push: a prefill that failed once both legs were out (a 5xx, or its connection broke) is
+        reported to decode at once (/kv/failed), which recomputes or fails by its policy (recomputes,
+        with retry_colocated) instead of waiting out --kv-timeout-s. A refusal (4xx, unreachable) ends
+        the whole request, and a failure the router will retry colocated is open_push_decode's; a
+        cancelled prefill is the router's own doing."""
+        failure = task_error(task)
+        if ctx.finished or failure is None or prefill_refused(task):
+            return
+        if self.may_retry(failure) and not ctx.decode_opened:
+            return
+        _, reason = task_outcome(task)
+        fields = {"recompute": True} if self.config.retry_colocated else {}
+        self.tell(ctx, ctx.decode, "/kv/failed", reason=f"prefill worker {ctx.prefill.url}: {reason}",
+                  prefill_answered=isinstance(failure, Relay), **fields)
+
+    def may_retry(self, failure: BaseException) -> bool:
+        """A prefill failure the decode worker could make good by computing the request itself: the
+        worker's fault (5xx, unreachable, died), not the request's (4xx would fail there too)."""
+        status = failure.status if isinstance(failure, (Relay, P.APIError)) else 500
+        return self.config.retry_colocated and status >= 500
+
+    async def retry_colocated(self, ctx: Handoff, body: dict, failure: BaseException) -> httpx.Response:
+        """Send the client's request, as it came, to the decode worker: it computes it colocated."""
+        reason = getattr(failure, "message", None) or str(failure)
+        log.warning("handoff %s: prefill failed (%s); retrying colocated", ctx.handoff_id, reason)
+        if ctx.decode is None:
+            ctx.decode = self.pick(ctx, self.decodes)
+        ctx.retried = f"prefill failed ({reason}); computed colocated on {ctx.decode.url}"
+        ctx.remote = None                  # nothing pinned to release
+        return await self.post(ctx, ctx.decode, ctx.endpoint, body)
+
+    def retried_handoff(self, ctx: Handoff) -> dict:
+        """The handoff object of a request retried colocated (the decode worker answered a plain one)."""
+        return {"handoff_id": ctx.handoff_id, "mode": self.mode, "prefill_worker": ctx.prefill.url,
+                "decode_worker": ctx.decode.url, "bytes_transferred": 0, "blocks": 0, "reused_tokens": 0,
+                "kv_source": "retried_colocated", "retried_colocated": ctx.retried,
+                "phases_ms": dict.fromkeys(PHASES), "router_ms": ctx.router_ms}
 
     async def merge(self, ctx: Handoff, decode_handoff: dict) -> dict:
         """The client's handoff object: the decode worker's, with the prefill's phases and ours added."""
@@ -380,6 +445,9 @@ class Router:
         if ctx.first_token_ms is None and has_token(chunk):
             ctx.first_token_ms = ctx.ms()
             self.metrics.ttft.labels(self.mode).observe(ctx.first_token_ms / 1e3)
+        if ctx.retried and "timings" in chunk and chunk.get("choices"):   # the final chunk, not the usage one
+            chunk["handoff"] = self.retried_handoff(ctx)
+            return sse_event(chunk)
         if isinstance(chunk.get("handoff"), dict):
             chunk["handoff"] = await self.merge(ctx, chunk["handoff"])
             return sse_event(chunk)
@@ -583,10 +651,13 @@ def describe(e: BaseException) -> str:
 
 def prefill_refused(task: asyncio.Task) -> bool:
     """Did the prefill leg end in a way that dooms the request (4xx, unreachable) rather than a 5xx?"""
-    if not task.done() or task.cancelled() or task.exception() is None:
-        return False
-    e = task.exception()
+    e = task_error(task)
     return (isinstance(e, Relay) and e.status < 500) or (isinstance(e, P.APIError) and e.code == "worker_unreachable")
+
+
+def task_error(task: asyncio.Task) -> BaseException | None:
+    """The exception a finished prefill task ended with; None if it is running, cancelled or succeeded."""
+    return None if not task.done() or task.cancelled() else task.exception()
 
 
 def task_outcome(task: asyncio.Task) -> tuple[dict | None, str | None]:

@@ -123,8 +123,7 @@ class WorkerHandoff:
             await asyncio.wait_for(finished.wait(), 4 * self.connector.cfg.kv_timeout_s)
 
     async def register(self, request: Request) -> JSONResponse:
-        check_control(request, self.secret)
-        body = await request.json()
+        body = await control_body(request, self.secret)
         for key in ("handoff_id", "agent_metadata", "block_ids", "num_kv_tokens", "prompt_hash", "ttl_ms"):
             if key not in body:
                 raise P.APIError(400, f"registration lacks {key!r}")
@@ -176,15 +175,11 @@ class WorkerHandoff:
             r = await self.http.post(f"{kv.prefill_url}/kv/register", json=body)
             if r.status_code >= 400:
                 reason = r.json().get("error", {}).get("message", r.text)
-                self._fail_incoming(kv.handoff_id, f"prefill refused the registration: {reason}")
+                self.connector.fail_incoming(kv.handoff_id, f"prefill refused the registration: {reason}")
         except httpx.HTTPError as exc:
             # It may or may not have arrived: keep the blocks aside until the push deadline passes.
-            self._fail_incoming(kv.handoff_id, f"registration with {kv.prefill_url} failed: {exc}", settled=False)
-
-    def _fail_incoming(self, handoff_id: str, reason: str, settled: bool = True) -> None:
-        incoming = self.connector.incoming.get(handoff_id)
-        if incoming is not None:
-            self.connector._load_failed(incoming, reason, settled=settled)
+            self.connector.fail_incoming(kv.handoff_id, f"registration with {kv.prefill_url} failed: {exc}",
+                                         settled=False)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _observe(self, role: str, total_ms: float | None, nbytes: int | None) -> None:
@@ -209,6 +204,18 @@ class WorkerHandoff:
                 "dtype": str(c.engine.dtype).removeprefix("torch."), "model": c.engine.served_name}
 
 
+async def control_body(request: Request, secret: bytes) -> dict:
+    """An authenticated /kv/* message: a JSON object naming a handoff_id, or a 400 (never a 500)."""
+    check_control(request, secret)
+    try:
+        body = await request.json()
+    except ValueError:
+        raise P.APIError(400, "the body is not valid JSON") from None
+    if not isinstance(body, dict) or not isinstance(body.get("handoff_id"), str):
+        raise P.APIError(400, "the body must be a JSON object with a string handoff_id", param="handoff_id")
+    return body
+
+
 def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
     server = handoff.server
     server.handoff = handoff
@@ -226,17 +233,32 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
 
     @app.post("/kv/release")
     async def kv_release(request: Request):
-        check_control(request, handoff.secret)
-        body = await request.json()
-        released = handoff.connector._release_lease(str(body.get("handoff_id")))
+        body = await control_body(request, handoff.secret)
+        released = handoff.connector.release_lease(body["handoff_id"])
         return {"released": released}
+
+    @app.post("/kv/failed")
+    async def kv_failed(request: Request):
+        """Decode side: the router saw this handoff's prefill fail (push). Usually the prefill worker
+        says so itself over the notification channel; this path covers a prefill that died or whose
+        channel is what broke, so decode acts now instead of after --kv-timeout-s."""
+        body = await control_body(request, handoff.secret)
+        if handoff.role != "decode":
+            raise P.APIError(400, "failure reports go to decode workers")
+        reason = str(body.get("reason") or "the prefill failed")[:500]
+        # settled only when the prefill answered: a worker that answers has no WRITE left in flight
+        # (it waits for its WRITE before answering); one that vanished mid-request might.
+        recompute = body.get("recompute")      # the router may ask for a recompute whatever our policy
+        failed = handoff.connector.fail_incoming(body["handoff_id"], f"router reported: {reason}",
+                                                 settled=bool(body.get("prefill_answered")),
+                                                 recompute=recompute if isinstance(recompute, bool) else None)
+        return {"failed": failed}
 
     @app.post("/kv/cancel")
     async def kv_cancel(request: Request):
         """The router gave up on a handoff (its client left): free what this worker holds for it."""
-        check_control(request, handoff.secret)
-        body = await request.json()
-        handoff_id = str(body.get("handoff_id"))
+        body = await control_body(request, handoff.secret)
+        handoff_id = body["handoff_id"]
         if handoff.role == "prefill":
             handoff.connector.cancel_prefill(handoff_id)
         else:

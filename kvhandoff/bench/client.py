@@ -1,0 +1,131 @@
+"""What a client sees: one streamed completion timed from the outside, over HTTP only.
+
+TTFT is measured here, not taken from the server (../shared/MEASURING.md): from just before the request
+is sent to the arrival of the first chunk that carries generated text. The server's own `timings` and
+`handoff` objects (from the last chunk) ride along to explain it. Nothing here imports the engine, so
+it measures any OpenAI-compatible endpoint the same way.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy
+
+# Common English words: random sequences of them tokenise at a stable rate (about one token per word
+# with a leading space in any English BPE), so a prompt's length can be aimed at with a word count.
+WORDS = ("time year people way day man thing woman life child world school state family student group "
+         "country problem hand part place case week company system program question work government number "
+         "night point home water room mother area money story fact month lot right study book eye job word "
+         "business issue side kind head house service friend father power hour game line end member law car "
+         "city community name president team minute idea kid body information back parent face others level "
+         "office door health person art war history party result change morning reason research girl guy "
+         "moment air teacher force education foot boy age policy music market sense nation plan college "
+         "interest death experience effect class control care field development role effort rate heart drug "
+         "show leader light voice wife police mind price report decision son view relationship town road arm "
+         "difference value building action model season society tax director position player record paper "
+         "space ground form event official matter center couple site project activity star table need court "
+         "oil situation cost industry figure street image phone data picture practice piece land product "
+         "doctor wall patient worker news test movie north love support technology step baby computer type "
+         "attention film tree source organization hair window evidence population truth visit fire river "
+         "green quiet small large early young important few public bad same able").split()
+
+
+def random_text(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it. Times are ms from the moment it was sent."""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    token_times_ms: list[float] = field(default_factory=list)   # arrival of each chunk that carried text
+    text: str = ""
+    error: str | None = None          # why it failed (HTTP status and message, or the transport error)
+    timings: dict | None = None       # the server's timings object, when it sends one
+    handoff: dict | None = None       # the server's handoff object (disaggregated stacks)
+    sent_at: float = 0.0              # perf_counter when it was sent (for arrival-time plots)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first: (end - first token) / (tokens - 1)."""
+        if self.ttft_ms is None or self.e2e_ms is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_ms - self.ttft_ms) / (self.output_tokens - 1)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "tpot_ms": self.tpot_ms}
+
+
+def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
+    """Greedy, exactly max_tokens tokens (ignore_eos + min_tokens: every request does the same work),
+    streamed with usage so the token counts come from the server."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict) -> RequestResult:
+    result = RequestResult()
+    t0 = result.sent_at = time.perf_counter()
+    ms = lambda: (time.perf_counter() - t0) * 1e3
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raw = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {error_message(raw)}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    result.error = f"stream error: {error_message(payload)}"
+                    break
+                read_chunk(result, chunk, ms())
+    except (httpx.HTTPError, ValueError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    result.e2e_ms = ms()
+    if result.error is None and result.ttft_ms is None:
+        result.error = "the stream ended without any generated text"
+    return result
+
+
+def read_chunk(result: RequestResult, chunk: dict, now_ms: float) -> None:
+    text = "".join(choice.get("text") or "" for choice in chunk.get("choices") or ())
+    if text:
+        result.text += text
+        result.token_times_ms.append(now_ms)
+        if result.ttft_ms is None:
+            result.ttft_ms = now_ms
+    if usage := chunk.get("usage"):
+        result.prompt_tokens = usage.get("prompt_tokens", 0)
+        result.output_tokens = usage.get("completion_tokens", 0)
+    for key in ("timings", "handoff"):
+        if isinstance(chunk.get(key), dict):
+            setattr(result, key, chunk[key])
+
+
+def error_message(raw: str) -> str:
+    try:
+        return json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return raw[:300]
+
+
+def percentile(values: list[float | None], q: float) -> float | None:
+    """Linearly interpolated percentile (q in 0..100) of the values that are not None; None if none are."""
+    values = [v for v in values if v is not None]
+    return float(numpy.percentile(values, q)) if values else None

@@ -1,0 +1,442 @@
+"""Disaggregation benchmark (issue 4): is the handoff hidden, and is disaggregation worth its cores?
+
+    python -m kvhandoff.bench.disagg [--model smollm2] [--modes pull,pull-reader,push,push-layerwise]
+        [--lengths 1024,2048] [--output-tokens 128] [--repeats 5]
+        [--loaded-requests 32] [--load 0.7] [--loaded-min 256] [--loaded-max 2048]
+        [--skip-isolated] [--skip-loaded] [--out DIR]
+
+Two experiments, each over real stacks started with `kvhandoff up` and measured over HTTP only (TTFT as
+the client sees it; the server's `handoff.phases_ms` explain it):
+
+isolated  one request at a time, --lengths prompts, --output-tokens tokens each (ignore_eos): colocated on
+          ONE core (`--cores 0`, 1 thread) against every disaggregated mode (prefill on core 0, decode on
+          core 1, 1 thread each). All stacks run at once and are measured in rotation, round after round
+          (A B C .., B C .. A, ...) so drift hits every stack alike; each round sends every stack the same
+          fresh prompt (distinct per round: no prefix-cache hit), so outputs are compared across stacks.
+          Medians of --repeats rounds; ratios are medians of per-round ratios to colocated.
+loaded    Poisson arrivals at --load x the colocated TWO-core capacity (measured here: a burst of
+          requests, completed / makespan), prompt lengths uniform in [--loaded-min, --loaded-max], the
+          same arrival schedule and prompts for every stack: TTFT and TPOT p50/p90 per mode against
+          colocated on two cores (2 threads).
+
+Prompts are random common English words; their token counts are calibrated once against the server
+(usage.prompt_tokens) and reported as measured. Every figure, the load average before each request and
+how long each stack's threads waited for a core go to --out DIR/disagg.json; the tables to stdout,
+progress to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvhandoff.bench.client import RequestResult, completion_body, percentile, random_text, stream_completion
+from kvhandoff.bench.meta import cpu_model, git_commit, log
+from kvhandoff.bench.stack import Stack, core_wait_ns
+
+PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
+DISAGG_MODES = ("pull", "pull-reader", "push", "push-layerwise")
+BASELINE_1CORE, BASELINE_2CORE = "colocated-1core", "colocated-2core"
+# Goals of issue 4 (isolated requests).
+GOAL_LAYERWISE_TTFT_X = 1.10      # push-layerwise TTFT <= 1.10x colocated-one-core
+GOAL_HANDOFF_SHARE = 0.05         # handoff_wait + transfer < 5% of TTFT for push-layerwise
+BUSY_WAIT_SHARE = 0.05            # threads that waited for a core longer than this share of a request: busy
+
+
+@dataclass
+class Sample:
+    """One measured request, with the context that says whether to trust it."""
+    stack: str
+    round: int
+    target_len: int
+    result: RequestResult
+    loadavg: float
+    core_wait_share: float | None = None     # stack threads' time waiting for a core / request time
+
+    def to_json(self) -> dict:
+        return {"stack": self.stack, "round": self.round, "target_len": self.target_len, "loadavg": self.loadavg,
+                "core_wait_share": self.core_wait_share, **self.result.to_json()}
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    model: str = ""
+    words_per_token: float = 1.0
+    stacks: dict[str, Stack] = field(default_factory=dict)
+
+    def stack(self, name: str, mode: str, cores: str) -> Stack:
+        args = ["--model", self.args.model, *self.args.worker_args]
+        stack = Stack(name, mode, cores, args, self.args.out / "logs" / f"{name}.log")
+        self.stacks[name] = stack
+        return stack
+
+    def prompt(self, rng: random.Random, tokens: int) -> str:
+        return random_text(rng, max(1, round(tokens * self.words_per_token)))
+
+
+def start_stacks(stacks: list[Stack]) -> None:
+    """Start them together (loading overlaps), wait for all; on any failure stop them all."""
+    try:
+        for stack in stacks:
+            stack.start()
+            log(f"starting {stack.name}: kvhandoff up --mode {stack.mode} --cores {stack.cores} (log {stack.log_path})")
+        for stack in stacks:
+            stack.wait_ready()
+            log(f"{stack.name} ready at {stack.url}")
+    except BaseException:
+        for stack in stacks:
+            stack.stop()
+        raise
+
+
+async def measure(client: httpx.AsyncClient, stack: Stack, body: dict) -> tuple[RequestResult, float, float | None]:
+    pids = stack.pids()
+    wait_before, loadavg = core_wait_ns(pids), os.getloadavg()[0]
+    result = await stream_completion(client, stack.url, body)
+    waited_ms = (core_wait_ns(pids) - wait_before) / 1e6
+    return result, loadavg, (waited_ms / result.e2e_ms if result.e2e_ms else None)
+
+
+async def calibrate(bench: Bench, client: httpx.AsyncClient, stack: Stack) -> None:
+    """Words per token of our prompt text, from what the server counts (also the first warm-up)."""
+    words = 400
+    body = completion_body(bench.model, random_text(random.Random(-1), words), 2)
+    result = await stream_completion(client, stack.url, body)
+    if not result.ok or not result.prompt_tokens:
+        raise RuntimeError(f"calibration request to {stack.name} failed: {result.error or 'no usage reported'}")
+    bench.words_per_token = words / result.prompt_tokens
+    log(f"calibrated: {result.prompt_tokens} tokens for {words} words")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Isolated requests
+
+async def run_isolated(bench: Bench, client: httpx.AsyncClient) -> list[Sample]:
+    args = bench.args
+    names = [BASELINE_1CORE, *args.modes]
+    stacks = [bench.stacks[n] for n in names]
+    log("warm-up: one short and one long request per stack")
+    for stack in stacks:
+        for tokens in (64, max(args.lengths)):
+            body = completion_body(bench.model, bench.prompt(random.Random(f"warm{tokens}"), tokens), 8)
+            result = await stream_completion(client, stack.url, body)
+            if not result.ok:
+                raise RuntimeError(f"warm-up on {stack.name} failed: {result.error}")
+    samples = []
+    total = args.repeats * len(args.lengths) * len(stacks)
+    for rnd in range(args.repeats):
+        for length in args.lengths:
+            prompt = bench.prompt(random.Random(f"{args.seed}-iso-{rnd}-{length}"), length)
+            body = completion_body(bench.model, prompt, args.output_tokens)
+            order = stacks[rnd % len(stacks):] + stacks[:rnd % len(stacks)]    # rotate who goes first
+            for stack in order:
+                result, loadavg, wait = await measure(client, stack, body)
+                samples.append(Sample(stack.name, rnd, length, result, loadavg, wait))
+                log(f"[{len(samples)}/{total}] round {rnd} {length:>5} tok {stack.name:<16} "
+                    + (f"TTFT {result.ttft_ms:8.1f} ms  TPOT {result.tpot_ms:6.2f} ms  load {loadavg:.2f}"
+                       if result.ok and result.tpot_ms else f"FAILED: {result.error}"))
+    return samples
+
+
+def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[int]) -> dict:
+    out = {}
+    for length in lengths:
+        rows = {}
+        for name in names:
+            mine = [s for s in samples if s.stack == name and s.target_len == length and s.result.ok]
+            base = {s.round: s for s in samples if s.stack == BASELINE_1CORE and s.target_len == length and s.result.ok}
+            ttft_x = [s.result.ttft_ms / base[s.round].result.ttft_ms for s in mine if s.round in base]
+            tpot_x = [s.result.tpot_ms / base[s.round].result.tpot_ms for s in mine
+                      if s.round in base and s.result.tpot_ms and base[s.round].result.tpot_ms]
+            phases = {p: med([(s.result.handoff or {}).get("phases_ms", {}).get(p) for s in mine]) for p in PHASES}
+            same = [s.result.text == base[s.round].result.text for s in mine if s.round in base]
+            rows[name] = {
+                "n": len(mine), "failed": sum(1 for s in samples if s.stack == name and s.target_len == length
+                                              and not s.result.ok),
+                "prompt_tokens": med([s.result.prompt_tokens for s in mine]),
+                "ttft_ms": med([s.result.ttft_ms for s in mine]), "tpot_ms": med([s.result.tpot_ms for s in mine]),
+                "ttft_x_colocated": med(ttft_x), "tpot_x_colocated": med(tpot_x),
+                "phases_ms": phases,
+                "bytes_transferred": med([(s.result.handoff or {}).get("bytes_transferred") for s in mine]),
+                "outputs_equal_colocated": f"{sum(same)}/{len(same)}",
+                "loadavg_max": max((s.loadavg for s in mine), default=None),
+                "core_wait_share_max": max((s.core_wait_share or 0 for s in mine), default=None),
+            }
+        out[str(length)] = rows
+    return out
+
+
+def isolated_goals(summary: dict) -> list[dict]:
+    goals = []
+    for length, rows in summary.items():
+        lw, push, pull = rows.get("push-layerwise"), rows.get("push"), rows.get("pull")
+        add = lambda goal, value, target, met: goals.append(
+            {"length": int(length), "goal": goal, "value": value, "target": target, "met": met})
+        if lw and lw["ttft_x_colocated"] is not None:
+            add("push-layerwise TTFT / colocated-1core TTFT", lw["ttft_x_colocated"], GOAL_LAYERWISE_TTFT_X,
+                lw["ttft_x_colocated"] <= GOAL_LAYERWISE_TTFT_X)
+            wait = (lw["phases_ms"]["handoff_wait"] or 0) + (lw["phases_ms"]["transfer"] or 0)
+            share = wait / lw["ttft_ms"]
+            add("push-layerwise (handoff_wait + transfer) / TTFT", share, GOAL_HANDOFF_SHARE, share < GOAL_HANDOFF_SHARE)
+        for name in DISAGG_MODES:
+            row = rows.get(name)
+            if row and row["tpot_x_colocated"] is not None:
+                # "no worse": within 2%, the run-to-run noise of a median TPOT on this machine
+                add(f"{name} TPOT / colocated-1core TPOT", row["tpot_x_colocated"], 1.02,
+                    row["tpot_x_colocated"] <= 1.02)
+        if push and pull and push["ttft_ms"] and pull["ttft_ms"]:
+            add("push TTFT / pull TTFT", push["ttft_ms"] / pull["ttft_ms"], 1.0, push["ttft_ms"] <= pull["ttft_ms"])
+    return goals
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loaded run
+
+@dataclass
+class Arrival:
+    offset_s: float
+    target_len: int
+    prompt: str
+
+
+async def measure_capacity(bench: Bench, client: httpx.AsyncClient, stack: Stack) -> float:
+    """Requests per second the stack completes when given a burst: completed / makespan."""
+    args = bench.args
+    rng = random.Random(f"{args.seed}-capacity")
+    bodies = [completion_body(bench.model, bench.prompt(rng, rng.randint(args.loaded_min, args.loaded_max)),
+                              args.output_tokens) for _ in range(args.capacity_requests)]
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(stream_completion(client, stack.url, b) for b in bodies))
+    makespan = time.perf_counter() - t0
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"capacity burst on {stack.name}: {len(failed)} failed, e.g. {failed[0]}")
+    return len(results) / makespan
+
+
+def poisson_schedule(bench: Bench, rate: float) -> list[Arrival]:
+    args = bench.args
+    rng = random.Random(f"{args.seed}-loaded")
+    arrivals, t = [], 0.0
+    for _ in range(args.loaded_requests):
+        length = rng.randint(args.loaded_min, args.loaded_max)
+        arrivals.append(Arrival(t, length, bench.prompt(rng, length)))
+        t += rng.expovariate(rate)
+    return arrivals
+
+
+async def run_schedule(bench: Bench, client: httpx.AsyncClient, stack: Stack, arrivals: list[Arrival]) -> list[Sample]:
+    t0 = time.perf_counter()
+    pids = stack.pids()
+    wait_before = core_wait_ns(pids)
+    done = 0
+
+    async def one(arrival: Arrival) -> Sample:
+        nonlocal done
+        await asyncio.sleep(max(0.0, t0 + arrival.offset_s - time.perf_counter()))
+        loadavg = os.getloadavg()[0]
+        result = await stream_completion(client, stack.url,
+                                         completion_body(bench.model, arrival.prompt, bench.args.output_tokens))
+        done += 1
+        if done % 8 == 0 or done == len(arrivals):
+            log(f"  {stack.name}: {done}/{len(arrivals)} done")
+        return Sample(stack.name, 0, arrival.target_len, result, loadavg)
+
+    samples = await asyncio.gather(*(one(a) for a in arrivals))
+    share = (core_wait_ns(pids) - wait_before) / 1e9 / (time.perf_counter() - t0)
+    for s in samples:
+        s.core_wait_share = share     # per run: concurrent requests cannot be told apart
+    return list(samples)
+
+
+async def run_loaded(bench: Bench, client: httpx.AsyncClient) -> tuple[dict, list[Sample]]:
+    args = bench.args
+    base = bench.stacks[BASELINE_2CORE]
+    log(f"capacity of {base.name}: a burst of {args.capacity_requests} requests")
+    await measure_capacity(bench, client, base)            # warm-up at this batch size
+    capacity = await measure_capacity(bench, client, base)
+    rate = args.load * capacity
+    arrivals = poisson_schedule(bench, rate)
+    log(f"capacity {capacity:.3f} req/s; loaded run at {args.load:.0%}: {rate:.3f} req/s, "
+        f"{len(arrivals)} requests over ~{arrivals[-1].offset_s:.0f} s per stack")
+    samples = []
+    for name in [BASELINE_2CORE, *args.modes]:
+        log(f"loaded run on {name}")
+        samples += await run_schedule(bench, client, bench.stacks[name], arrivals)
+    return {"capacity_req_s": capacity, "rate_req_s": rate, "load": args.load}, samples
+
+
+def summarize_loaded(samples: list[Sample], names: list[str]) -> dict:
+    out = {}
+    base_texts = [s.result.text for s in samples if s.stack == BASELINE_2CORE]    # in arrival order, like mine
+    for name in names:
+        mine = [s for s in samples if s.stack == name]
+        ok = [s for s in mine if s.result.ok]
+        ttft, tpot = [s.result.ttft_ms for s in ok], [s.result.tpot_ms for s in ok]
+        out[name] = {
+            "n": len(mine), "failed": len(mine) - len(ok),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90),
+            "tpot_p50_ms": percentile(tpot, 50), "tpot_p90_ms": percentile(tpot, 90),
+            "e2e_p50_ms": percentile([s.result.e2e_ms for s in ok], 50),
+            "phases_p50_ms": {p: percentile([(s.result.handoff or {}).get("phases_ms", {}).get(p) for s in ok], 50)
+                              for p in PHASES},
+            "outputs_equal_colocated_2core": f"{sum(a.result.text == b for a, b in zip(mine, base_texts))}/{len(mine)}",
+            "core_wait_share": mine[0].core_wait_share if mine else None,
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Report
+
+def med(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_isolated(summary: dict, goals: list[dict]) -> None:
+    print("\nIsolated requests (one at a time): medians; x = median of per-round ratios to colocated-1core")
+    head = (f"{'prompt':>6} {'stack':<16} {'TTFT ms':>8} {'x':>5} {'TPOT ms':>7} {'x':>5} "
+            + " ".join(f"{p[:12]:>12}" for p in PHASES) + f" {'KV MiB':>6} {'same':>5} {'wait':>5}")
+    print(head + "\n" + "-" * len(head))
+    for length, rows in summary.items():
+        for name, r in rows.items():
+            kib = r["bytes_transferred"] / 2**20 if r["bytes_transferred"] else None
+            print(f"{round(r['prompt_tokens'] or int(length)):>6} {name:<16} {fmt(r['ttft_ms']):>8} "
+                  f"{fmt(r['ttft_x_colocated'], '.3f'):>5} {fmt(r['tpot_ms'], '.2f'):>7} "
+                  f"{fmt(r['tpot_x_colocated'], '.3f'):>5} "
+                  + " ".join(f"{fmt(r['phases_ms'][p], '.1f'):>12}" for p in PHASES)
+                  + f" {fmt(kib):>6} {r['outputs_equal_colocated']:>5} {fmt(r['core_wait_share_max'], '.3f'):>5}"
+                  + (f"  ({r['failed']} failed)" if r["failed"] else ""))
+    print("  same: greedy text equal to colocated-1core's for the same prompt. wait: the most any request's stack\n"
+          "  threads (workers and router) spent runnable but waiting for a core, as a share of the request's time:\n"
+          "  the router and this client share the two cores with the workers, so some wait is the setup's own;\n"
+          f"  above {BUSY_WAIT_SHARE:.0%} something else probably shared the cores (see loadavg in the JSON).")
+    print()
+    for g in goals:
+        print(f"  {g['length']:>5} tok  {g['goal']:<50} {g['value']:7.3f}  target {g['target']:.2f}  "
+              f"{'met' if g['met'] else 'NOT met'}")
+
+
+def print_loaded(meta: dict, summary: dict) -> None:
+    print(f"\nLoaded run: Poisson {meta['rate_req_s']:.3f} req/s = {meta['load']:.0%} of colocated-2core capacity "
+          f"({meta['capacity_req_s']:.3f} req/s)")
+    head = (f"{'stack':<16} {'n':>3} {'fail':>4} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} {'p90':>7} {'e2e p50':>8} "
+            + " ".join(f"{p[:12]:>12}" for p in PHASES) + f" {'same':>6}")
+    print(head + "\n" + "-" * len(head))
+    for name, r in summary.items():
+        print(f"{name:<16} {r['n']:>3} {r['failed']:>4} {fmt(r['ttft_p50_ms']):>9} {fmt(r['ttft_p90_ms']):>8} "
+              f"{fmt(r['tpot_p50_ms'], '.2f'):>9} {fmt(r['tpot_p90_ms'], '.2f'):>7} {fmt(r['e2e_p50_ms'], '.0f'):>8} "
+              + " ".join(f"{fmt(r['phases_p50_ms'][p], '.1f'):>12}" for p in PHASES)
+              + f" {r['outputs_equal_colocated_2core']:>6}")
+    print("  phases: p50 of the handoff object's phases_ms; same: greedy text equal to colocated-2core's "
+          "(bf16 on 2 threads vs 1 thread, batched differently: not expected to be all equal)")
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvhandoff.bench.disagg", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--modes", default=",".join(DISAGG_MODES))
+    p.add_argument("--lengths", default="1024,2048", help="isolated prompt lengths, tokens")
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5, help="isolated rounds (medians over them)")
+    p.add_argument("--loaded-requests", type=int, default=32)
+    p.add_argument("--capacity-requests", type=int, default=12, help="burst size for the capacity measurement")
+    p.add_argument("--load", type=float, default=0.7, help="fraction of colocated-2core capacity")
+    p.add_argument("--loaded-min", type=int, default=256)
+    p.add_argument("--loaded-max", type=int, default=2048)
+    p.add_argument("--skip-isolated", action="store_true")
+    p.add_argument("--skip-loaded", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-disagg"))
+    p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
+                   help="extra flag for every worker, e.g. --worker-arg=--kv-backend=tcp (repeatable)")
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    if unknown := set(args.modes) - set(DISAGG_MODES):
+        p.error(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(DISAGG_MODES)}")
+    if args.output_tokens < 2 or args.repeats < 1 or not args.lengths:
+        p.error("need --output-tokens >= 2, --repeats >= 1 and at least one length")
+    if len(os.sched_getaffinity(0)) < 2:
+        p.error("needs two cores (prefill and decode one each)")
+    return args
+
+
+async def amain(args: argparse.Namespace) -> dict:
+    bench = Bench(args)
+    report = {"meta": {"model": args.model, "modes": args.modes, "output_tokens": args.output_tokens,
+                       "lengths": args.lengths, "repeats": args.repeats, "seed": args.seed,
+                       "worker_args": args.worker_args, "git_commit": git_commit(), "cpu": cpu_model(),
+                       "cores": sorted(os.sched_getaffinity(0)), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "pinning": "colocated-1core: core 0, 1 thread; colocated-2core: cores 0-1, 2 threads; "
+                                  "disaggregated: prefill core 0, decode core 1, 1 thread each; routers unpinned"}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    disagg = [bench.stack(m, m, "0,1") for m in args.modes]
+    samples: list[Sample] = []
+    timeout = httpx.Timeout(connect=10.0, read=600.0, write=60.0, pool=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+        try:
+            if not args.skip_isolated:
+                one_core = bench.stack(BASELINE_1CORE, "colocated", "0")
+                start_stacks([one_core, *disagg])
+                bench.model = one_core.model_name()
+                await calibrate(bench, client, one_core)
+                iso = await run_isolated(bench, client)
+                samples += iso
+                one_core.stop()
+                names = [BASELINE_1CORE, *args.modes]
+                report["isolated"] = summarize_isolated(iso, names, args.lengths)
+                report["isolated_goals"] = isolated_goals(report["isolated"])
+                print_isolated(report["isolated"], report["isolated_goals"])
+            if not args.skip_loaded:
+                two_core = bench.stack(BASELINE_2CORE, "colocated", "0,1")
+                start_stacks([two_core] + ([] if not args.skip_isolated else disagg))
+                if not bench.model:
+                    bench.model = two_core.model_name()
+                    await calibrate(bench, client, two_core)
+                meta, loaded = await run_loaded(bench, client)
+                samples += loaded
+                report["loaded_meta"] = meta
+                report["loaded"] = summarize_loaded(loaded, [BASELINE_2CORE, *args.modes])
+                print_loaded(meta, report["loaded"])
+        finally:
+            for stack in bench.stacks.values():
+                stack.stop()
+            report["meta"]["words_per_token"] = bench.words_per_token
+            report["samples"] = [s.to_json() for s in samples]
+            (args.out / "disagg.json").write_text(json.dumps(report, indent=1))
+            log(f"wrote {args.out / 'disagg.json'}")
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # SIGTERM ends the run like Ctrl-C: the stacks are stopped and what was measured is written.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        asyncio.run(amain(args))
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

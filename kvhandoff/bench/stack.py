@@ -1,0 +1,96 @@
+"""A whole local stack for a benchmark: `kvhandoff up` run as a child process, ready when /health is.
+
+The benchmark talks to it over HTTP only, like any client; this module only starts it, waits for it,
+finds its processes (for the core-wait accounting) and stops it. Output goes to a log file per stack,
+so a failed start can say where to look.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvhandoff.serve.launch import die_with_parent, free_port
+
+
+@dataclass
+class Stack:
+    name: str                    # e.g. "colocated-1core", "push"
+    mode: str                    # kvhandoff up --mode
+    cores: str                   # kvhandoff up --cores
+    args: list[str]              # engine / worker flags for every worker
+    log_path: Path
+    port: int = 0
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.port = self.port or free_port()
+        cmd = [sys.executable, "-m", "kvhandoff.cli", "up", "--mode", self.mode, "--cores", self.cores,
+               "--port", str(self.port), "--log-level", "warning", *self.args]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            # If the benchmark dies, however it dies, the kernel tells `up` to stop its stack.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=die_with_parent)
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stack {self.name} exited with status {self.proc.returncode}; "
+                                   f"see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"stack {self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def model_name(self) -> str:
+        return httpx.get(self.url + "/v1/models", timeout=10.0).json()["data"][0]["id"]
+
+    def pids(self) -> list[int]:
+        """The launcher and every process under it (workers, router)."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                todo += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            except OSError:
+                pass
+        return found
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)      # `kvhandoff up` stops its children, router first
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def core_wait_ns(pids: list[int]) -> int:
+    """Nanoseconds the threads of these processes spent runnable but waiting for a CPU (schedstat):
+    their difference over a measurement says whether something else shared the cores."""
+    total = 0
+    for pid in pids:
+        try:
+            for task in os.scandir(f"/proc/{pid}/task"):
+                total += int(Path(task.path, "schedstat").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
