@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shlex
 import signal
 import sys
 
@@ -80,6 +81,34 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="push: seconds either side waits for the other (default: %(default)s)")
     g.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="decode side, when KV cannot be loaded or fails verification (default: %(default)s)")
+    g = p.add_argument_group("bidirectional multi-turn reuse (with the router's --bidirectional)")
+    g.add_argument("--bidirectional", action="store_true",
+                   help="decode: keep each finished turn's KV for the conversation's next turn; prefill: read "
+                        "it back instead of recomputing the history when that is cheaper")
+    g.add_argument("--retention-ttl", type=float, default=480.0,
+                   help="decode: seconds a finished turn's KV is kept (default: %(default)s)")
+    g.add_argument("--retention-max-bytes", type=parse_bytes, default=None, metavar="BYTES",
+                   help="decode: cap on retained KV, e.g. 256M (least recently used evicted first; running "
+                        "requests always evict retained KV when they need blocks) (default: no cap of its own)")
+    g.add_argument("--reuse-min-tokens", type=int, default=64,
+                   help="prefill: never fetch fewer reusable tokens than this (default: %(default)s)")
+    g.add_argument("--reuse-policy", default="cost", choices=["cost", "always"],
+                   help="prefill: fetch only when the cost model says it beats recomputing, or whenever above "
+                        "the floor (default: %(default)s)")
+
+
+def parse_bytes(spec: str) -> int:
+    """'268435456', '256M', '1.5G' -> bytes (binary multiples)."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+    text = spec.strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in "KMG" else ""
+    try:
+        value = float(text[:len(text) - len(unit)]) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {spec!r} (e.g. 268435456, 256M, 1G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size cannot be negative: {spec!r}")
+    return int(value)
 
 
 def setup_logging(level: str) -> None:
@@ -116,9 +145,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model))
         if agent is not None:
             from kvhandoff.handoff.connector import Connector, HandoffConfig
+            from kvhandoff.handoff.retention import RetentionConfig
+            from kvhandoff.handoff.reuse import ReuseConfig
             from kvhandoff.serve.worker import WorkerHandoff, attach_worker_routes
-            connector = Connector(loop, agent, HandoffConfig(args.lease_s, args.kv_timeout_s,
-                                                             args.kv_load_failure_policy), worker_name)
+            handoff_cfg = HandoffConfig(args.lease_s, args.kv_timeout_s, args.kv_load_failure_policy,
+                                        bidirectional=args.bidirectional,
+                                        retention=RetentionConfig(args.retention_ttl, args.retention_max_bytes),
+                                        reuse=ReuseConfig(args.reuse_min_tokens, args.reuse_policy))
+            connector = Connector(loop, agent, handoff_cfg, worker_name)
             attach_worker_routes(app, WorkerHandoff(app.state.server, connector, args.role, secret))
 
         def ready(url: str) -> None:
@@ -154,7 +188,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     try:
         config = RouterConfig(prefill_urls=parse_urls(args.prefill), decode_urls=parse_urls(args.decode),
                               mode=args.mode, secret=secret, request_timeout=args.request_timeout,
-                              health_interval=args.health_interval, retry_colocated=args.retry_colocated)
+                              health_interval=args.health_interval, retry_colocated=args.retry_colocated,
+                              bidirectional=args.bidirectional)
     except ValueError as e:
         raise SystemExit(f"kvhandoff router: {e}")
     app = build_router_app(config)
@@ -202,12 +237,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     passed to every worker."""
     from kvhandoff.serve.launch import LaunchConfig, run
 
-    worker_args = engine_argv(args) + args.extra
+    worker_args = engine_argv(args) + args.extra + (["--bidirectional"] if args.bidirectional else [])
     if args.extra:
         print(f"kvhandoff up: passing {' '.join(args.extra)} to every worker", flush=True)
     try:
-        router_args = ["--retry-colocated"] if args.retry_colocated else []
+        router_args = (["--retry-colocated"] if args.retry_colocated else []) + \
+                      (["--bidirectional"] if args.bidirectional else [])
         cfg = LaunchConfig(mode=args.mode, worker_args=worker_args, router_args=router_args,
+                           prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),
                            num_prefill=args.prefill, num_decode=args.decode,
                            host=args.host, port=args.port, threads=args.threads, cores=args.cores,
                            log_level=args.log_level, startup_timeout=args.startup_timeout)
@@ -263,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-colocated", action="store_true",
                    help="when a prefill worker fails (5xx, unreachable, died), have the decode worker compute the "
                         "request itself instead of failing it (push: whatever its --kv-load-failure-policy)")
+    p.add_argument("--bidirectional", action="store_true",
+                   help="multi-turn reuse: remember where each conversation's KV is kept (X-Session-Id header, "
+                        "session_id field, or prompt block-hash match) and have the next turn's prefill read it "
+                        "back; the workers need --bidirectional too")
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_router)
 
@@ -276,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for every /health (default: %(default)s)")
     p.add_argument("--retry-colocated", action="store_true",
                    help="router: a failed prefill is computed on the decode worker instead (see kvhandoff router -h)")
+    p.add_argument("--bidirectional", action="store_true",
+                   help="multi-turn reuse on the router and every worker (--retention-ttl, --retention-max-bytes, "
+                        "--reuse-min-tokens, --reuse-policy are passed to the workers)")
+    p.add_argument("--prefill-args", default="", metavar="FLAGS",
+                   help="flags for the prefill workers only, e.g. --prefill-args=--no-prefix-caching")
+    p.add_argument("--decode-args", default="", metavar="FLAGS", help="flags for the decode workers only")
     p.add_argument("--cores", type=parse_cores, default=None, metavar="LIST",
                    help="cores to share out among the workers, e.g. 0 or 0-3 or 0,2 (default: all this process "
                         "may use)")

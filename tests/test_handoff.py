@@ -96,7 +96,9 @@ def test_mode_matches_colocated(workers, reference, mode):
         assert response["choices"][0]["text"] == expected
         decode_side = response["handoff"]
         assert decode_side["mode"] == mode and decode_side["kv_source"] == "remote"
-        assert decode_side["bytes_transferred"] > 0 and decode_side["blocks"] == handoff.get(
+        # Blocks the decode worker had already (its prefix cache: earlier tests sent these prompts) stay.
+        local_blocks = decode_side["decode_cached_tokens"] // 32
+        assert decode_side["bytes_transferred"] > 0 and decode_side["blocks"] + local_blocks == handoff.get(
             "blocks", len(handoff.get("block_ids", [])))
         phases = {**handoff["phases_ms"], **decode_side["phases_ms"]}
         assert {"prefill_queue", "prefill_compute", "transfer", "decode_queue", "first_step"} <= set(phases)

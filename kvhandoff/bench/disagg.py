@@ -379,8 +379,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-async def amain(args: argparse.Namespace) -> dict:
-    bench = Bench(args)
+async def amain(bench: Bench) -> dict:
+    args = bench.args
     report = {"meta": {"model": args.model, "modes": args.modes, "output_tokens": args.output_tokens,
                        "lengths": args.lengths, "repeats": args.repeats, "seed": args.seed,
                        "worker_args": args.worker_args, "git_commit": git_commit(), "cpu": cpu_model(),
@@ -428,13 +428,18 @@ async def amain(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # SIGTERM ends the run like Ctrl-C: the stacks are stopped and what was measured is written.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        asyncio.run(amain(args))
-    except KeyboardInterrupt:
-        log("interrupted")
-        return 130
+    bench = Bench(args)
+
+    def interrupted(signum, frame):
+        # Cancelling the event loop's task does not reliably get through httpx's streams, so stop
+        # the stacks from here and leave; the measurements of an interrupted run are not written.
+        log(f"signal {signum}: stopping the stacks")
+        for stack in bench.stacks.values():
+            stack.stop()
+        os._exit(130)
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    asyncio.run(amain(bench))
     return 0
 
 

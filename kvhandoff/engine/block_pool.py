@@ -96,6 +96,14 @@ class BlockPool:
         self.hits += len(ids)
         return ids
 
+    def cached_prefix_len(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of `hashes` the cache holds now (a peek: no references taken)."""
+        n = 0
+        if self.enable_prefix_caching:
+            while n < len(hashes) and hashes[n] in self.cached:
+                n += 1
+        return n
+
     def register(self, block_id: int, h: bytes) -> None:
         """Publish a full, computed block under its chain hash (first writer wins)."""
         if not self.enable_prefix_caching:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
+from typing import Callable
 
 import torch
 
 from kvhandoff.config import EngineConfig
-from kvhandoff.engine.block_pool import BlockPool
-from kvhandoff.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
+from kvhandoff.engine.block_pool import BlockPool, hash_chain
+from kvhandoff.engine.request import FinishReason, Request, RequestOutput, RequestState, RetainedKV, SamplingParams
 from kvhandoff.engine.runner import ModelRunner, kv_block_bytes
 from kvhandoff.engine.sampler import Sampler
 from kvhandoff.engine.scheduler import Scheduler
@@ -61,7 +63,7 @@ class LLMEngine:
         self.block_bytes = kv_block_bytes(self.model_config, cfg.block_size, self.dtype)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // self.block_bytes)
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg, self.pool)
+        self.scheduler = Scheduler(cfg, self.pool, reclaim=self.reclaim)
         kv_memory = None if kv_allocator is None else kv_allocator(num_blocks * self.block_bytes)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size, kv_memory)
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
@@ -72,6 +74,10 @@ class LLMEngine:
         # or given up on): they return to the pool only when the transfer settles.
         self.quarantine: dict[str, list[int]] = {}
         self._done_at_once: list[RequestOutput] = []    # finished at admission, reported by the next step
+        # Finished `retain` requests' KV, least recently used first. Evicted (on_evict told) whenever a
+        # request needs the blocks: running requests always win over retained history.
+        self.retained: OrderedDict[str, RetainedKV] = OrderedDict()
+        self.on_evict: Callable[[str], None] | None = None
         log.info("engine ready: model=%s device=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV)",
                  self.served_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                  cfg.block_size, num_blocks * self.block_bytes / 2**20)
@@ -106,12 +112,27 @@ class LLMEngine:
                              f"{self.pool.num_blocks}; shorten the prompt or lower max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival: float | None = None, prefill_only: bool = False) -> Request:
+                    arrival: float | None = None, prefill_only: bool = False, retain: bool = False,
+                    preloaded: tuple[str, int] | None = None) -> Request:
         """Queue a request. `prefill_only`: compute the whole prompt's KV, sample the first token (so
         it comes from the same computation as colocated: same chunks, same rounding) and finish with
-        reason "prefilled", the blocks pinned until release_pinned()."""
-        request = self._new_request(request_id, prompt_token_ids, params, arrival)
-        request.prefill_only = prefill_only
+        reason "prefilled", the blocks pinned until release_pinned(). `retain`: keep the KV after a
+        normal finish (see retained). `preloaded=(pin_id, num_tokens)`: the blocks pinned under
+        `pin_id` (allocate_pinned) already hold the K/V of the first `num_tokens` prompt tokens
+        (fetched from another worker): they become the request's, and only the rest is computed."""
+        try:
+            request = self._new_request(request_id, prompt_token_ids, params, arrival)
+        except ValueError:
+            if preloaded is not None:
+                self.release_pinned(preloaded[0])       # refused: the fetched blocks go back
+            raise
+        request.prefill_only, request.retain = prefill_only, retain
+        if preloaded is not None:
+            pin_id, num_tokens = preloaded
+            assert 0 < num_tokens < len(prompt_token_ids), "at least one prompt token must be computed here"
+            request.block_table = self.pinned.pop(pin_id)
+            assert len(request.block_table) == self.scheduler.blocks_for(num_tokens)
+            self.scheduler.preloaded(request, num_tokens)
         self.scheduler.add(request)
         return request
 
@@ -127,17 +148,31 @@ class LLMEngine:
 
     # ---- disaggregation hooks (called on the engine thread by a handoff connector) -------------
     def reserve_for_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              num_kv_tokens: int, arrival: float | None = None) -> list[int] | None:
+                              num_kv_tokens: int, arrival: float | None = None,
+                              retain: bool = False) -> list[int] | None:
         """Allocate blocks for `num_kv_tokens` of K/V that another worker will deliver; the request
         waits in WAITING_FOR_KV. Returns the block ids, or None (nothing changed) if the pool is
-        too full right now."""
+        too full right now. The first `num_cached_tokens // block_size` of them (the request's
+        num_cached_tokens) already hold the right K/V, from this worker's prefix cache."""
         assert 0 < num_kv_tokens <= len(prompt_token_ids)
         self.validate(prompt_token_ids, params)
-        need = self.scheduler.blocks_for(num_kv_tokens)
+        # Full blocks this worker already holds (its prefix cache, e.g. a conversation's retained
+        # history) need not travel; at least the last block always does.
+        local = self.pool.match_prefix(hash_chain(prompt_token_ids[:num_kv_tokens - 1], self.block_size))
+        need = self.scheduler.blocks_for(num_kv_tokens) - len(local)
         if need > self.pool.num_free:
+            self.reclaim(need)
+        if need > self.pool.num_free:
+            self.pool.free_blocks(local)
             return None
-        request = self._new_request(request_id, prompt_token_ids, params, arrival)
-        request.block_table = self.pool.allocate(need)
+        try:
+            request = self._new_request(request_id, prompt_token_ids, params, arrival)
+        except ValueError:
+            self.pool.free_blocks(local)
+            raise
+        request.retain = retain
+        request.block_table = local + self.pool.allocate(need)
+        request.num_cached_tokens = len(local) * self.block_size
         request.state = RequestState.WAITING_FOR_KV
         self.scheduler.add(request)
         return list(request.block_table)
@@ -193,6 +228,47 @@ class LLMEngine:
     def release_pinned(self, request_id: str) -> None:
         """Give back the blocks of a finished prefill-only request (after the handoff or its lease)."""
         self.pool.free_blocks(self.pinned.pop(request_id))
+
+    def allocate_pinned(self, pin_id: str, num_blocks: int) -> list[int] | None:
+        """Blocks for K/V fetched from elsewhere (a reverse read), pinned under `pin_id` until
+        add_request(preloaded=...) takes them or release_pinned() returns them; None if the pool
+        cannot spare them (retained history is evicted first)."""
+        assert pin_id not in self.pinned and num_blocks > 0
+        if num_blocks > self.pool.num_free:
+            self.reclaim(num_blocks)
+        if num_blocks > self.pool.num_free:
+            return None
+        self.pinned[pin_id] = self.pool.allocate(num_blocks)
+        return list(self.pinned[pin_id])
+
+    # ---- retained KV (bidirectional reuse) -----------------------------------------------------
+    def _retain(self, request: Request) -> RetainedKV:
+        """Keep a finished request's blocks: they hold the K/V of every token it computed."""
+        n = request.num_computed_tokens
+        keep = self.scheduler.blocks_for(n)
+        self.pool.free_blocks(request.block_table[keep:])       # nothing computed in them
+        tokens = request.all_token_ids[:n]
+        entry = RetainedKV(request.request_id, request.block_table[:keep], tokens, hash_chain(tokens, self.block_size))
+        self.retained[entry.retention_id] = entry
+        return entry
+
+    def release_retained(self, retention_id: str) -> bool:
+        entry = self.retained.pop(retention_id, None)
+        if entry is None:
+            return False
+        self.pool.free_blocks(entry.block_ids)
+        return True
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Evict retained KV, least recently used first, until `num_blocks` blocks are free (or
+        nothing evictable is left: blocks under a reverse read stay)."""
+        for retention_id in list(self.retained):
+            if self.pool.num_free >= num_blocks:
+                return
+            if self.retained[retention_id].readers == 0:
+                self.release_retained(retention_id)
+                if self.on_evict is not None:
+                    self.on_evict(retention_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -284,16 +360,20 @@ class LLMEngine:
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
                 new_token_ids: list[int] | None = None, new_text: str = "",
                 keep_blocks: bool = False) -> RequestOutput:
-        self.scheduler.finish(request, reason, keep_blocks=keep_blocks)
+        retain = request.retain and reason in (FinishReason.STOP, FinishReason.LENGTH) and request.num_computed_tokens > 0
+        num_cached = request.num_cached_tokens          # (freeing the blocks resets it)
+        self.scheduler.finish(request, reason, keep_blocks=keep_blocks or retain)
         self.sampler.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         request.timings.finished = time.monotonic()
         out = RequestOutput(request.request_id, new_token_ids or [], new_text, True, reason.value,
                             request.num_prompt_tokens, len(request.output_token_ids),
-                            request.num_cached_tokens, request.timings.as_ms(), error)
+                            num_cached, request.timings.as_ms(), error)
         if keep_blocks:
             self.pinned[request.request_id] = request.block_table
             out.kv_block_ids, out.num_kv_tokens = list(request.block_table), request.num_computed_tokens
+        elif retain:
+            out.retained = self._retain(request)
         return out
 
     # ---- offline use --------------------------------------------------------------------------

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kvhandoff.engine.engine import LLMEngine
@@ -28,13 +29,17 @@ class _Submit:
     on_output: OutputCallback
     arrival: float
     prefill_only: bool = False
+    retain: bool = False
+    preloaded: tuple[str, int] | None = None
     num_remote_kv_tokens: int | None = None                 # set: K/V will arrive from another worker
-    on_reserved: Callable[[list[int]], None] | None = None  # engine thread: the blocks it will arrive in
+    # engine thread: the blocks it will arrive in, and how many leading tokens' K/V are already local
+    on_reserved: Callable[[list[int], int], None] | None = None
 
 
 @dataclass
 class _Call:
     fn: Callable[[], object]
+    result: Future = field(default_factory=Future)
 
 
 class EngineLoop:
@@ -60,24 +65,31 @@ class EngineLoop:
             self._thread.join(timeout)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               on_output: OutputCallback, prefill_only: bool = False) -> None:
-        """Queue a request. Raises ValueError (a message for the client) if it can never be served."""
+               on_output: OutputCallback, prefill_only: bool = False, retain: bool = False,
+               preloaded: tuple[str, int] | None = None) -> None:
+        """Queue a request (options as LLMEngine.add_request). Raises ValueError (a message for the
+        client) if it can never be served."""
         self.engine.validate(prompt_token_ids, params)     # reads only immutable engine facts
-        self._post(_Submit(request_id, list(prompt_token_ids), params, on_output, time.monotonic(), prefill_only))
+        self._post(_Submit(request_id, list(prompt_token_ids), params, on_output, time.monotonic(), prefill_only,
+                           retain=retain, preloaded=preloaded))
 
     def submit_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       num_kv_tokens: int, on_output: OutputCallback,
-                      on_reserved: Callable[[list[int]], None]) -> None:
+                      on_reserved: Callable[[list[int], int], None], retain: bool = False) -> None:
         """Queue a request whose first `num_kv_tokens` of K/V another worker delivers. As soon as the
-        pool has room, blocks are reserved and `on_reserved(block_ids)` runs on the engine thread;
-        the caller then fills them and calls engine.kv_ready / kv_failed (through call())."""
+        pool has room, blocks are reserved and `on_reserved(block_ids, num_local_tokens)` runs on the
+        engine thread (the first num_local_tokens' K/V were found here already); the caller then fills
+        the rest and calls engine.kv_ready / kv_failed (through call())."""
         self.engine.validate(prompt_token_ids, params)
         self._post(_Submit(request_id, list(prompt_token_ids), params, on_output, time.monotonic(),
-                           num_remote_kv_tokens=num_kv_tokens, on_reserved=on_reserved))
+                           retain=retain, num_remote_kv_tokens=num_kv_tokens, on_reserved=on_reserved))
 
-    def call(self, fn: Callable[[], object]) -> None:
-        """Run `fn()` on the engine thread between steps (the only thread that may touch the engine)."""
-        self._post(_Call(fn))
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn()` on the engine thread between steps (the only thread that may touch the engine);
+        the future holds what it returned (or raised)."""
+        item = _Call(fn)
+        self._post(item)
+        return item.result
 
     def abort(self, request_id: str) -> None:
         self._post(request_id)
@@ -102,6 +114,9 @@ class EngineLoop:
                 "num_waiting": len(engine.scheduler.waiting) + len(self._reservations),
                 "num_waiting_for_kv": len(engine.scheduler.waiting_for_kv),
                 "num_pinned_handoffs": len(engine.pinned), "num_quarantined": len(engine.quarantine),
+                "num_retained": len(engine.retained),
+                "num_retained_blocks": sum(len(e.block_ids) for e in list(engine.retained.values())),
+                "block_bytes": engine.block_bytes,
                 "num_preemptions": engine.scheduler.num_preemptions,
                 "prefix_cache_hits": engine.pool.hits, "prefix_cache_queries": engine.pool.queries}
 
@@ -152,9 +167,11 @@ class EngineLoop:
         if isinstance(item, _Call):
             try:
                 result = item.fn()
-            except Exception:       # a connector's bug must not stop every other request
+            except Exception as exc:    # a connector's bug must not stop every other request
                 log.exception("engine call %r failed", item.fn)
+                item.result.set_exception(exc)
                 return None
+            item.result.set_result(result)
             return result if isinstance(result, RequestOutput) else None
         if item.num_remote_kv_tokens is not None:
             self._callbacks[item.request_id] = item.on_output
@@ -162,7 +179,7 @@ class EngineLoop:
             return None
         try:
             self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, arrival=item.arrival,
-                                    prefill_only=item.prefill_only)
+                                    prefill_only=item.prefill_only, retain=item.retain, preloaded=item.preloaded)
         except ValueError as exc:
             item.on_output(RequestOutput(item.request_id, [], "", True, "error", len(item.prompt_token_ids),
                                          0, error=str(exc)))
@@ -177,7 +194,8 @@ class EngineLoop:
             item = self._reservations[0]
             try:
                 blocks = self.engine.reserve_for_remote_kv(item.request_id, item.prompt_token_ids, item.params,
-                                                           item.num_remote_kv_tokens, arrival=item.arrival)
+                                                           item.num_remote_kv_tokens, arrival=item.arrival,
+                                                           retain=item.retain)
             except ValueError as exc:
                 self._reservations.pop(0)
                 outputs.append(RequestOutput(item.request_id, [], "", True, "error", len(item.prompt_token_ids),
@@ -186,7 +204,7 @@ class EngineLoop:
             if blocks is None:
                 break               # FIFO: later requests wait behind the first, as in the scheduler
             self._reservations.pop(0)
-            item.on_reserved(blocks)
+            item.on_reserved(blocks, self.engine.requests[item.request_id].num_cached_tokens)
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -86,9 +86,10 @@ class Request:
     num_cached_tokens: int = 0          # of those, how many came from the prefix cache
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)    # chain hashes of full computed blocks
-    # Disaggregation: a prefill-only request computes the KV of all prompt tokens but the last (the
-    # decode side computes that one and samples the first token), then finishes with its blocks pinned.
+    # Disaggregation: a prefill-only request computes the whole prompt's KV and samples the first
+    # token, then finishes with its blocks pinned for the handoff.
     prefill_only: bool = False
+    retain: bool = False                # bidirectional: keep the KV after a normal finish (LLMEngine.retained)
     finish_reason: FinishReason | None = None
     timings: Timings = field(default_factory=lambda: Timings(arrival=time.monotonic()))
     # Detokenization state (see engine.detokenize): text already emitted, and held back text.
@@ -134,3 +135,20 @@ class RequestOutput:
     num_kv_tokens: int = 0                  # ... how many tokens of K/V they hold (the whole prompt); the
                                             # first output token, sampled by the prefill, is new_token_ids[0]
     handoff: dict | None = None             # decode side of a handoff: what the connector reports
+    retained: "RetainedKV | None" = None    # a `retain` request's KV, kept after it finished
+
+
+@dataclass
+class RetainedKV:
+    """A finished request's KV kept for a later turn of its conversation (bidirectional reuse). Its
+    blocks hold the K/V of `token_ids` (prompt and answer but the last answer token, never computed)."""
+    retention_id: str
+    block_ids: list[int]
+    token_ids: list[int]
+    block_hashes: list[bytes]           # chain hashes of its full blocks
+    readers: int = 0                    # reverse reads in flight: not evictable while > 0
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)

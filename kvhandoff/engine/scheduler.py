@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.block_pool import BlockPool, block_hash, hash_chain
@@ -30,8 +31,10 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, pool: BlockPool):
+    def __init__(self, cfg: EngineConfig, pool: BlockPool, reclaim: Callable[[int], None] | None = None):
+        """`reclaim(n)` may free blocks held for later (retained history) until n are free."""
         self.cfg, self.pool = cfg, pool
+        self.reclaim = reclaim or (lambda num_blocks: None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
@@ -76,6 +79,8 @@ class Scheduler:
             num_new = min(request.num_target_tokens - request.num_computed_tokens, budget)
             need = self.blocks_for(request.num_computed_tokens + num_new) - len(request.block_table)
             if need > self.pool.num_free:
+                self.reclaim(need)
+            if need > self.pool.num_free:
                 self._release(request)      # admission control: wait until blocks free up
                 break
             request.block_table += self.pool.allocate(need)
@@ -89,6 +94,8 @@ class Scheduler:
     def _grow(self, request: Request, num_new: int) -> bool:
         """Give `request` the blocks for `num_new` more tokens, preempting newer requests if needed."""
         need = self.blocks_for(request.num_computed_tokens + num_new) - len(request.block_table)
+        if need > self.pool.num_free:
+            self.reclaim(need)
         while need > self.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
@@ -149,6 +156,13 @@ class Scheduler:
             self._release(request)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
+
+    def preloaded(self, request: Request, num_tokens: int) -> None:
+        """A new request's blocks already hold its first `num_tokens` of K/V (fetched): count them as
+        computed (and cached, for the report) and publish their full blocks."""
+        request.num_computed_tokens = 0
+        self.after_step([ScheduledChunk(request, num_tokens)])
+        request.num_cached_tokens = num_tokens
 
     def kv_arrived(self, request: Request, num_tokens: int) -> None:
         """A WAITING_FOR_KV request's blocks now hold `num_tokens` of K/V: queue it for decoding."""

@@ -31,12 +31,15 @@ from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.handoff.kv_layout import KVLayout, block_checksums
 from kvhandoff.handoff.leases import LeaseTable
+from kvhandoff.handoff.retention import Retention, RetentionConfig
+from kvhandoff.handoff.reuse import CostModel, ReuseConfig
 from kvhandoff.transfer.agent import TransferAgent
 from kvhandoff.transfer.errors import TransferError
 
 log = logging.getLogger(__name__)
 
 PULL_MODES = ("pull", "pull-reader")
+LAYER_WRITES_PER_CHUNK = 6      # push-layerwise: writes per prefill chunk (SmolLM2's 30 layers: 5 at a time)
 PUSH_MODES = ("push", "push-layerwise")
 MODES = PULL_MODES + PUSH_MODES
 
@@ -54,6 +57,9 @@ class HandoffConfig:
     lease_s: float = 30.0               # pull: how long prefill keeps blocks for a decode that has not read
     kv_timeout_s: float = 30.0          # push: how long either side waits for the other (registration ttl)
     failure_policy: str = "recompute"   # decode side: recompute | fail when KV cannot be loaded
+    bidirectional: bool = False         # keep finished turns' KV (decode) and read it back (prefill)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
 
     def __post_init__(self):
         assert self.failure_policy in ("recompute", "fail"), self.failure_policy
@@ -109,6 +115,7 @@ class Incoming:
     peer: str | None = None
     remote_blocks: list[int] = field(default_factory=list)     # pull: known up front
     checksums: list[int] | None = None                         # pull: up front; push: with `done`
+    skip_blocks: int = 0        # leading blocks this worker had already (its prefix cache): not transferred
     first_token: int | None = None                             # sampled by the prefill; arrives like checksums
     block_ids: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
@@ -120,6 +127,11 @@ class Incoming:
     settle_at: float | None = None      # push: set-aside blocks are safe to free after this
     bytes: int = 0
     failure: str | None = None
+
+    @property
+    def transferred_blocks(self) -> list[int]:
+        """Our blocks the KV travels into (those after the ones we had already)."""
+        return self.block_ids[self.skip_blocks:]
 
 
 class Connector:
@@ -144,6 +156,9 @@ class Connector:
         for t in self._threads:
             t.start()
         self.engine.runner.layer_hook = self._on_layer
+        self.layer_group = max(1, -(-self.layout.num_layers // LAYER_WRITES_PER_CHUNK))
+        self.retention = Retention(loop, cfg.retention, self.layout.block_bytes) if cfg.bidirectional else None
+        self.cost_model = CostModel()
 
     def close(self) -> None:
         self._stop.set()
@@ -184,9 +199,11 @@ class Connector:
 
     # ---- prefill side ---------------------------------------------------------------------------
     def submit_prefill(self, handoff_id: str, prompt_ids: list[int], params: SamplingParams, mode: str,
-                       on_output: Callable[[RequestOutput], None]) -> PushJob | None:
+                       on_output: Callable[[RequestOutput], None],
+                       preloaded: tuple[str, int] | None = None) -> PushJob | None:
         """Queue the prompt's prefill; `on_output` gets the final output (on the engine thread).
-        Push modes return the job, whose `finished` event marks the end of the WRITE."""
+        Push modes return the job, whose `finished` event marks the end of the WRITE. `preloaded`:
+        K/V read back from a decode worker (fetch_retained), as for LLMEngine.add_request."""
         assert mode in MODES
         job = None
         if mode in PUSH_MODES:
@@ -199,12 +216,16 @@ class Connector:
                 return
             if out.finish_reason != "prefilled":
                 self._prefill_failed(handoff_id, out.error or f"prefill ended: {out.finish_reason}")
-            elif mode in PULL_MODES:
+                on_output(out)
+                return
+            computed = out.num_prompt_tokens - out.num_cached_tokens
+            self.cost_model.observe_prefill(computed, (out.timings.get("prefill_ms") or 0) / 1e3)
+            if mode in PULL_MODES:
                 self.leases.pin(handoff_id, out.kv_block_ids)
             else:
                 self._prefilled(handoff_id, out)
             on_output(out)
-        self.loop.submit(handoff_id, prompt_ids, params, on_final, prefill_only=True)
+        self.loop.submit(handoff_id, prompt_ids, params, on_final, prefill_only=True, preloaded=preloaded)
         return job
 
     def pull_params(self, handoff_id: str, out: RequestOutput, prompt_ids: list[int]) -> dict:
@@ -254,6 +275,9 @@ class Connector:
             job = self.jobs.setdefault(handoff_id, PushJob(handoff_id, registration.get("mode", "push")))
             if job.registration is not None:
                 raise HandoffError(f"handoff {handoff_id} is already registered", 409)
+            skip = registration.setdefault("skip_blocks", 0)
+            if not isinstance(skip, int) or not 0 <= skip < len(registration["block_ids"]):
+                raise HandoffError(f"skip_blocks must be a block index below the registered blocks, not {skip!r}", 400)
             job.registration, job.registered_at, job.peer = registration, time.monotonic(), peer
             self._maybe_start(job)
 
@@ -263,10 +287,16 @@ class Connector:
             self._writer_q.put(job)
 
     def _on_layer(self, layer: int, chunks) -> None:
-        """Engine thread, push-layerwise: queue this layer of every registered prefill chunk. A chunk
-        goes out layer by layer only if it started at layer 0 with every earlier token already sent;
-        otherwise the final WRITE covers it (whole blocks)."""
+        """Engine thread, push-layerwise: queue the layers computed since the last write of every
+        registered prefill chunk, one write per group of `layer_group` layers (a group of a block's
+        layers is one contiguous range, so a group costs no more descriptors than a layer, and the
+        per-write overhead, paid on the prefill's own core, is not paid per layer). A chunk goes out
+        this way only if it started at layer 0 with every earlier token already sent; otherwise the
+        final WRITE covers it (whole blocks)."""
         last_layer = self.layout.num_layers - 1
+        if (layer + 1) % self.layer_group and layer != last_layer:
+            return
+        first_layer = layer - layer % self.layer_group
         for chunk in chunks:
             request = chunk.request
             job = self.jobs.get(request.request_id) if request.prefill_only else None
@@ -278,7 +308,7 @@ class Connector:
             if job.current_chunk != start:
                 continue
             local, remote = self._blocks_of(job, start, end, request.block_table)
-            self._writer_q.put((job, layer, local, remote))
+            self._writer_q.put((job, first_layer, layer - first_layer + 1, local, remote))
             if layer == last_layer:
                 job.sent_tokens, job.current_chunk = end, None
 
@@ -293,14 +323,16 @@ class Connector:
                 log.exception("writer failed")
 
     def _blocks_of(self, job: PushJob, start: int, end: int, local: list[int]) -> tuple[list[int], list[int]]:
+        """The blocks holding tokens [start, end), less those the decode side has already (skip_blocks)."""
         bs = self.engine.block_size
-        first, last = start // bs, -(-end // bs)
+        first, last = max(start // bs, job.registration["skip_blocks"]), -(-end // bs)
         return local[first:last], job.registration["block_ids"][first:last]
 
-    def _write_layer(self, job: PushJob, layer: int, local: list[int], remote: list[int]) -> None:
-        if job.failed is None:
-            job.pending.append(self.agent.write(job.peer, self.layout.layer_descs(local, layer),
-                                                self.layout.layer_descs(remote, layer)))
+    def _write_layer(self, job: PushJob, first_layer: int, num_layers: int, local: list[int],
+                     remote: list[int]) -> None:
+        if job.failed is None and local:
+            job.pending.append(self.agent.write(job.peer, self.layout.layer_descs(local, first_layer, num_layers),
+                                                self.layout.layer_descs(remote, first_layer, num_layers)))
 
     def _write_job(self, job: PushJob) -> None:
         """Everything the layer-wise writes did not cover, then `done` with the checksums."""
@@ -318,9 +350,10 @@ class Connector:
             for handle in job.pending:
                 handle.wait(self.cfg.kv_timeout_s)
                 job.bytes_sent += handle.nbytes
-            rest = slice(job.sent_tokens // self.engine.block_size, None)
+            skip = reg["skip_blocks"]
+            rest = slice(max(job.sent_tokens // self.engine.block_size, skip), None)
             local, remote = out.kv_block_ids[rest], reg["block_ids"][rest]
-            checksums = block_checksums(self.kv, out.kv_block_ids)
+            checksums = block_checksums(self.kv, out.kv_block_ids[skip:])    # of what the decode side gets
             done = json.dumps({"t": "done", "id": handoff_id, "checksums": checksums,
                                "first_token": out.new_token_ids[0]}).encode()
             if local:
@@ -359,10 +392,13 @@ class Connector:
     # ---- decode side ----------------------------------------------------------------------------
     def submit_decode(self, handoff_id: str, mode: str, prompt_ids: list[int], params: SamplingParams,
                       on_output: Callable[[RequestOutput], None], remote: dict | None = None,
-                      peer: str | None = None, register: Callable[[Incoming], None] | None = None) -> Incoming:
+                      peer: str | None = None, register: Callable[[Incoming], None] | None = None,
+                      retain: bool = False, supersedes: str | None = None) -> Incoming:
         """Queue a request whose KV comes from a prefill worker. Pull: `remote` is the prefill's
         handoff object and `peer` its agent. Push: `register(incoming)` is called (engine thread) once
-        blocks are reserved and must deliver the registration to the prefill worker."""
+        blocks are reserved and must deliver the registration to the prefill worker. `retain`
+        (bidirectional): keep the finished turn's KV, replacing the conversation's turn `supersedes`."""
+        retain = retain and self.retention is not None
         num_kv = len(prompt_ids)            # the whole prompt; the prefill also sampled the first token
         incoming = Incoming(handoff_id, mode, num_kv, peer=peer)
         if remote is not None:
@@ -375,8 +411,12 @@ class Connector:
         with self._lock:
             self.incoming[handoff_id] = incoming
 
-        def on_reserved(block_ids: list[int]) -> None:       # engine thread
+        def on_reserved(block_ids: list[int], num_local_tokens: int) -> None:       # engine thread
             incoming.block_ids, incoming.reserved_at = block_ids, time.monotonic()
+            incoming.skip_blocks = num_local_tokens // self.engine.block_size
+            if remote is not None:      # from here on, remote blocks and checksums name only what travels
+                incoming.remote_blocks = incoming.remote_blocks[incoming.skip_blocks:]
+                incoming.checksums = incoming.checksums[incoming.skip_blocks:]
             if mode == "pull":
                 self._reader_q.put((incoming, self._post_read(incoming)))
             elif mode == "pull-reader":
@@ -386,22 +426,72 @@ class Connector:
                 incoming.settle_at = time.monotonic() + 2 * self.cfg.kv_timeout_s
                 register(incoming)
 
-        def on_out(out: RequestOutput) -> None:
+        def on_out(out: RequestOutput) -> None:        # engine thread
             if out.finished:
                 out.handoff = self._decode_report(incoming, out)
+                if out.retained is not None:        # (a failed turn keeps the previous one in place)
+                    out.handoff["retained"] = self.retention.on_retained(out.retained, supersedes)
             on_output(out)
-        self.loop.submit_remote(handoff_id, prompt_ids, params, num_kv, on_out, on_reserved)
+        self.loop.submit_remote(handoff_id, prompt_ids, params, num_kv, on_out, on_reserved, retain=retain)
         return incoming
+
+    # ---- bidirectional: reading a conversation's KV back from the decode worker that kept it ----
+    def fetch_retained(self, handoff_id: str, peer: str, lease: dict, num_blocks: int) -> tuple[str, int]:
+        """Prefill side, blocking (an executor thread): READ the first `num_blocks` retained blocks
+        named by a decode worker's read `lease` into blocks pinned here, verify them, and tell the
+        decode worker the read is over. Returns (pin id, bytes read) for submit_prefill(preloaded=...);
+        raises HandoffError (nothing left pinned) if any step fails."""
+        remote, checksums = list(lease["block_ids"])[:num_blocks], list(lease["checksums"])[:num_blocks]
+        if len(remote) != num_blocks or len(checksums) != num_blocks:
+            raise HandoffError(f"the read lease covers {len(remote)} blocks, not {num_blocks}", 502)
+        pin_id = f"reuse:{handoff_id}"
+        try:
+            local = self.loop.call(lambda: self.engine.allocate_pinned(pin_id, num_blocks)).result(self.cfg.kv_timeout_s)
+            if local is None:
+                raise HandoffError("no free blocks to read the retained KV into", 503)
+            try:
+                handle = self.agent.read(peer, self.layout.block_descs(local), self.layout.block_descs(remote))
+                handle.wait(self.cfg.kv_timeout_s)
+                bad = sum(a != b for a, b in zip(block_checksums(self.kv, local), checksums))
+                if bad:
+                    self.counters["verify_failures"] += 1
+                    raise HandoffError(f"retained KV failed verification ({bad} of {num_blocks} blocks differ)", 502)
+            except BaseException:
+                self.loop.call(lambda: self.engine.release_pinned(pin_id))
+                raise
+        except (TransferError, OSError, TimeoutError) as exc:
+            raise HandoffError(f"reverse read from {peer} failed: {exc}", 502) from None
+        finally:
+            self._notify(peer, {"t": "unlease", "id": lease["lease_id"]})
+        return pin_id, handle.nbytes
+
+    def lease_retained(self, retention_id: str, num_blocks: int) -> dict | None:
+        """Decode side, blocking (an executor thread): hold a retained entry for a reverse read and
+        say where its blocks are, with their checksums; None if it is gone."""
+        if self.retention is None:
+            return None
+        lease = self.loop.call(lambda: self.retention.lease(retention_id, num_blocks)).result(self.cfg.kv_timeout_s)
+        if lease is not None:
+            # Safe off the engine thread: a leased entry's blocks are neither freed nor written.
+            lease["checksums"] = block_checksums(self.kv, lease["block_ids"])
+            lease["agent_metadata"] = self.metadata_b64()
+        return lease
+
+    def release_retained(self, retention_id: str) -> bool:
+        if self.retention is None:
+            return False
+        return bool(self.loop.call(lambda: self.retention.release(retention_id)).result(self.cfg.kv_timeout_s))
 
     def registration(self, incoming: Incoming, mode: str, prompt_ids: list[int]) -> dict:
         return {"handoff_id": incoming.handoff_id, "mode": mode, "decode_worker": self.worker_name,
                 "agent_metadata": self.metadata_b64(), "block_ids": incoming.block_ids,
-                "num_kv_tokens": incoming.num_kv_tokens, "prompt_hash": prompt_hash(prompt_ids),
+                "num_kv_tokens": incoming.num_kv_tokens, "skip_blocks": incoming.skip_blocks,
+                "prompt_hash": prompt_hash(prompt_ids),
                 "ttl_ms": ms(self.cfg.kv_timeout_s)}
 
     def _post_read(self, incoming: Incoming):
         incoming.transfer_s = time.monotonic()
-        return self.agent.read(incoming.peer, self.layout.block_descs(incoming.block_ids),
+        return self.agent.read(incoming.peer, self.layout.block_descs(incoming.transferred_blocks),
                                self.layout.block_descs(incoming.remote_blocks))
 
     def _reader(self) -> None:
@@ -425,7 +515,7 @@ class Connector:
             self._load_failed(incoming, f"the prefill sent no valid first token ({incoming.first_token!r})", settled=True)
             return
         started = time.monotonic()
-        got = block_checksums(self.kv, incoming.block_ids)
+        got = block_checksums(self.kv, incoming.transferred_blocks)
         if incoming.mode in PULL_MODES:     # push: decode sees no transfer, only this verification
             incoming.transfer_s += time.monotonic() - started
         if got != incoming.checksums:
@@ -472,8 +562,8 @@ class Connector:
     def _decode_report(self, incoming: Incoming, out: RequestOutput) -> dict:
         t = out.timings or {}
         report = {"handoff_id": incoming.handoff_id, "mode": incoming.mode, "decode_worker": self.worker_name,
-                  "bytes_transferred": incoming.bytes, "blocks": len(incoming.block_ids),
-                  "reused_tokens": 0, "kv_source": "remote" if incoming.failure is None else "recomputed",
+                  "bytes_transferred": incoming.bytes, "blocks": len(incoming.transferred_blocks),
+                  "decode_cached_tokens": incoming.skip_blocks * self.engine.block_size, "kv_source": "remote" if incoming.failure is None else "recomputed",
                   "phases_ms": {}}
         phases = report["phases_ms"]
         if incoming.reserved_at is not None:
@@ -515,6 +605,9 @@ class Connector:
                 self.counters["late_notifications"] += 1
         elif kind == "cancel":
             self.cancel_prefill(handoff_id)
+        elif kind == "unlease":
+            if self.retention is not None:
+                self.loop.call(lambda: self.retention.unlease(handoff_id))
         elif kind in ("done", "failed"):
             with self._lock:
                 incoming = self.incoming.get(handoff_id) or self.incoming.get(f"settle:{handoff_id}")
@@ -527,7 +620,7 @@ class Connector:
                 self.loop.call(lambda: self.engine.settle(handoff_id))
             elif kind == "done":
                 incoming.checksums, incoming.first_token = msg.get("checksums"), msg.get("first_token")
-                incoming.bytes = incoming.bytes or len(incoming.block_ids) * self.layout.block_bytes
+                incoming.bytes = incoming.bytes or len(incoming.transferred_blocks) * self.layout.block_bytes
                 self._arrived(incoming)
             else:
                 self._load_failed(incoming, f"prefill worker reported: {msg.get('reason', 'failure')}", settled=True)
@@ -541,6 +634,8 @@ class Connector:
 
     def _housekeep(self) -> None:
         now = time.monotonic()
+        if self.retention is not None:
+            self.retention.expire(now)
         for lease in self.leases.expire(now):
             self.counters["lease_expiries"] += 1
             log.warning("handoff %s: lease expired, blocks freed", lease.handoff_id)

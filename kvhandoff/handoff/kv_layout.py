@@ -34,10 +34,12 @@ class KVLayout:
         self._check(block_ids)
         return [(REGION, b * self.block_bytes, self.block_bytes) for b in block_ids]
 
-    def layer_descs(self, block_ids: list[int], layer: int) -> list[tuple[str, int, int]]:
+    def layer_descs(self, block_ids: list[int], first_layer: int, num_layers: int = 1) -> list[tuple[str, int, int]]:
+        """Layers [first_layer, first_layer + num_layers) of each block: one contiguous range per block."""
         self._check(block_ids)
-        assert 0 <= layer < self.num_layers
-        return [(REGION, b * self.block_bytes + layer * self.layer_bytes, self.layer_bytes) for b in block_ids]
+        assert 0 <= first_layer and num_layers > 0 and first_layer + num_layers <= self.num_layers
+        return [(REGION, b * self.block_bytes + first_layer * self.layer_bytes, num_layers * self.layer_bytes)
+                for b in block_ids]
 
     def _check(self, block_ids: list[int]) -> None:
         assert all(0 <= b < self.num_blocks for b in block_ids), f"block id out of range: {block_ids}"

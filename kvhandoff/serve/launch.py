@@ -40,6 +40,8 @@ class LaunchConfig:
     mode: str
     worker_args: list[str]           # engine and worker flags, passed to every worker as they are
     router_args: list[str] = field(default_factory=list)   # flags for the router (disaggregated modes)
+    prefill_args: list[str] = field(default_factory=list)  # flags for prefill workers only
+    decode_args: list[str] = field(default_factory=list)   # flags for decode workers only
     num_prefill: int = 1
     num_decode: int = 1
     host: str = "127.0.0.1"          # the front (router, or the colocated worker) binds here
@@ -118,8 +120,10 @@ def plan(cfg: LaunchConfig) -> list[Child]:
         threads = cfg.threads or (len(share) if share else max(1, len(cores) // len(names)))
         wport = free_port()
         # Workers bind loopback whatever --host says: only the router is meant to be reached from outside.
-        cmd = kvhandoff_cmd("serve", "--role", name.split("-")[0], "--host", "127.0.0.1", "--port", str(wport),
-                            *common, *cfg.worker_args, "--threads", str(threads))
+        role = name.split("-")[0]
+        own = cfg.prefill_args if role == "prefill" else cfg.decode_args
+        cmd = kvhandoff_cmd("serve", "--role", role, "--host", "127.0.0.1", "--port", str(wport),
+                            *common, *cfg.worker_args, *own, "--threads", str(threads))
         children.append(Child(name, cmd, f"http://127.0.0.1:{wport}", share))
     urls = lambda role: ",".join(c.url for c in children if c.name.startswith(role))
     children.append(Child("router", kvhandoff_cmd("router", "--prefill", urls("prefill"), "--decode", urls("decode"),

@@ -35,6 +35,7 @@ from kvhandoff.serve import protocol as P
 from kvhandoff.serve.auth import control_headers
 from kvhandoff.serve.metrics import CONTENT_TYPE, LATENCY_BUCKETS
 from kvhandoff.serve.server import CHAT, COMPLETIONS, SSEResponse, sse_event, wait_disconnect
+from kvhandoff.serve.sessions import SessionEntry, SessionMap
 
 log = logging.getLogger("kvhandoff.router")
 
@@ -42,7 +43,8 @@ MODES = ("pull", "pull-reader", "push", "push-layerwise")
 PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
 # Fields of the prefill's handoff object worth showing the client when the decode side lacks them;
 # the rest (token ids, block ids, checksums, agent metadata) is protocol payload, not observability.
-PREFILL_FALLBACK_FIELDS = ("bytes_transferred", "blocks", "reused_tokens")
+PREFILL_FALLBACK_FIELDS = ("bytes_transferred", "blocks", "reused_tokens", "reverse_bytes", "reuse_decision")
+SESSION_HEADER = "x-session-id"
 DONE = "data: [DONE]\n\n"
 # Push: how long the decode side's final answer waits for the prefill's (normally there already: the
 # prefill answers once its WRITE is done, before decode can finish). Bounded, so a prefill that hangs
@@ -78,6 +80,9 @@ class RouterConfig:
     # after the answer started the decode worker is told to recompute. Off: the client gets the error
     # (pull) or the decode worker's --kv-load-failure-policy decides (push).
     retry_colocated: bool = False
+    # Bidirectional reuse: decode workers keep each finished turn's KV, this router remembers where
+    # (sessions.py), and the next turn's prefill reads it back instead of recomputing the history.
+    bidirectional: bool = False
 
     def __post_init__(self):
         assert self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"
@@ -124,6 +129,8 @@ class Handoff:
     first_token_ms: float | None = None           # streams: when the first generated text went out
     decode_opened: bool = False                   # the decode worker's answer has started (status line read)
     retried: str | None = None                    # why the request was retried colocated on the decode worker
+    session_id: str | None = None                 # bidirectional: the client's name for the conversation
+    candidate: SessionEntry | None = None         # bidirectional: where its history's KV is kept
     finished: bool = False
 
     def ms(self) -> float:
@@ -173,6 +180,8 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.background: set[asyncio.Task] = set()   # health polls, control messages, stream cleanups
         self.num_in_flight = 0                        # client requests not finished yet
+        self.sessions = SessionMap()
+        self.last_sweep = 0.0
 
     @property
     def workers(self) -> list[Worker]:
@@ -201,13 +210,14 @@ class Router:
         task.add_done_callback(self.background.discard)
 
     # -- worker choice --------------------------------------------------------------------------------
-    def pick(self, ctx: Handoff, workers: list[Worker]) -> Worker:
+    def pick(self, ctx: Handoff, workers: list[Worker], prefer: str | None = None) -> Worker:
         """Least loaded: healthy first, then fewest in flight from this router, then the load the worker
-        last reported; ties go round-robin (the first tied one after the last pick) so equals share."""
+        last reported; ties go round-robin (the first tied one after the last pick) so equals share.
+        A healthy `prefer` (the decode worker holding the conversation's history) wins outright."""
         role, n = workers[0].role, len(workers)
         start = self.cursor.get(role, 0)
         in_turn = [workers[(start + i) % n] for i in range(n)]
-        worker = min(in_turn, key=lambda w: (not w.healthy, w.in_flight, w.load))   # min keeps the first tie
+        worker = min(in_turn, key=lambda w: (not w.healthy, w.url != prefer, w.in_flight, w.load))
         self.cursor[role] = (workers.index(worker) + 1) % n
         worker.in_flight += 1
         ctx.holding.append(worker)
@@ -223,6 +233,12 @@ class Router:
     # -- talking to workers ---------------------------------------------------------------------------
     def worker_body(self, ctx: Handoff, body: dict, role: str, **extra) -> dict:
         params = {"handoff_id": ctx.handoff_id, "mode": self.mode, "role": role, **extra}
+        if self.config.bidirectional and role == "prefill" and ctx.candidate is not None:
+            params["reuse"] = ctx.candidate.candidate()
+        if self.config.bidirectional and role == "decode":
+            params["retain"] = True
+            if ctx.candidate is not None and ctx.candidate.decode_url == ctx.decode.url:
+                params["supersedes"] = ctx.candidate.retention_id
         if role == "prefill":   # prefill answers one JSON object, whatever the client asked for
             body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
         return {**body, "kv_transfer_params": params}
@@ -285,6 +301,9 @@ class Router:
     # -- one request ----------------------------------------------------------------------------------
     async def dispatch(self, ctx: Handoff, body: dict) -> Response:
         """Everything up to the answer's status line: both legs started, the decode answer open."""
+        if self.config.bidirectional:
+            ctx.candidate = await self.find_session(ctx, body)
+        prefer = ctx.candidate.decode_url if ctx.candidate is not None else None
         if self.mode.startswith("pull"):
             ctx.prefill = self.pick(ctx, self.prefills)
             try:
@@ -294,12 +313,12 @@ class Router:
                     raise
                 resp = await self.retry_colocated(ctx, body, e)
             else:
-                ctx.decode = self.pick(ctx, self.decodes)        # late binding: load as it is now
+                ctx.decode = self.pick(ctx, self.decodes, prefer)    # late binding: load as it is now
                 resp = await self.post(ctx, ctx.decode, ctx.endpoint,
                                        self.worker_body(ctx, body, "decode", remote=ctx.remote))
             ctx.decode_opened = True
         else:
-            ctx.decode = self.pick(ctx, self.decodes)        # early binding: at arrival
+            ctx.decode = self.pick(ctx, self.decodes, prefer)    # early binding: at arrival
             ctx.prefill = self.pick(ctx, self.prefills)
             ctx.prefill_task = asyncio.ensure_future(
                 self.call_prefill(ctx, ctx.endpoint, body, decode_url=ctx.decode.url))
@@ -402,6 +421,8 @@ class Router:
                       decode_worker=ctx.decode.url, phases_ms=phases, router_ms=ctx.router_ms)
         if prefill_error:
             merged["prefill_error"] = prefill_error
+        if self.config.bidirectional:
+            self.remember(ctx, merged)
         self.metrics.handoff(self.mode, merged)
         return merged
 
@@ -482,6 +503,50 @@ class Router:
         if status == "200":
             self.metrics.e2e.labels(self.mode).observe(ctx.ms() / 1e3)
 
+    # -- bidirectional: the session map ---------------------------------------------------------------
+    async def find_session(self, ctx: Handoff, body: dict) -> SessionEntry | None:
+        """Where this conversation's history is kept: by the client's session id, else by the longest
+        block-hash match of the prompt (its hashes come from a prefill worker, which tokenizes)."""
+        now = time.monotonic()
+        if now - self.last_sweep > 1.0:
+            self.last_sweep = now
+            for entry in self.sessions.sweep():
+                log.debug("session %s: retained KV expired", entry.key)
+        if ctx.session_id is not None:
+            return self.sessions.get(ctx.session_id)
+        if not len(self.sessions):
+            return None
+        worker = min(self.prefills, key=lambda w: (not w.healthy, w.in_flight, w.load))
+        try:
+            resp = await self.client.post(worker.url + "/kv/prompt", headers=self.auth, timeout=10.0,
+                                          json={"endpoint": ctx.endpoint, "request": body})
+            hashes = resp.json().get("block_hashes") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            log.warning("handoff %s: no prompt hashes from %s (%s): no reuse", ctx.handoff_id, worker.url, e)
+            return None
+        return self.sessions.match(hashes) if isinstance(hashes, list) else None
+
+    def remember(self, ctx: Handoff, merged: dict) -> None:
+        """Record where this turn's KV is kept now; forget (and free) the turn it replaces."""
+        retained = merged.get("retained")
+        old = ctx.candidate
+        if not isinstance(retained, dict) or not isinstance(retained.get("retention_id"), str):
+            return                       # not kept (an error, or the worker has no retention): keep the old one
+        key = ctx.session_id or f"anon:{retained['retention_id']}"
+        if old is not None:
+            self.sessions.drop(old.key)
+            if old.decode_url != ctx.decode.url:     # superseded on another worker: it can free it now
+                holder = next((w for w in self.decodes if w.url == old.decode_url), None)
+                if holder is not None:
+                    self.tell(ctx, holder, "/kv/retained/release", retention_id=old.retention_id)
+        hashes = retained.get("block_hashes") or []
+        self.sessions.record(SessionEntry(key, ctx.decode.url, retained["retention_id"],
+                                          int(retained.get("num_tokens", 0)), list(hashes),
+                                          time.monotonic() + float(retained.get("expires_in_s", 0)),
+                                          int(retained.get("bytes", 0))))
+        # The client sees where its history is kept, not the hash chain (protocol payload).
+        merged["retained"] = {k: v for k, v in retained.items() if k != "block_hashes"} | {"session": key}
+
     async def handle(self, request: Request, endpoint: str) -> Response:
         loop = asyncio.get_running_loop()
         ctx = Handoff(uuid.uuid4().hex, endpoint, False, time.perf_counter(),
@@ -494,6 +559,14 @@ class Router:
             await self.finish(ctx)
             return JSONResponse(e.body(), status_code=e.status)
         ctx.stream = bool(body.get("stream"))
+        if self.config.bidirectional:
+            session_id = request.headers.get(SESSION_HEADER) or body.pop("session_id", None)
+            if session_id is not None and not (isinstance(session_id, str) and 0 < len(session_id) <= 256):
+                await self.finish(ctx)
+                err = P.APIError(400, "session_id must be a non-empty string of at most 256 characters",
+                                 param="session_id")
+                return JSONResponse(err.body(), status_code=400)
+            ctx.session_id = session_id
         work = asyncio.ensure_future(self.dispatch(ctx, body))
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:

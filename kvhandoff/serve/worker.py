@@ -7,19 +7,23 @@ to the Connector, which owns the engine-side and transfer-side work.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import Counter, Histogram
+from pydantic import ValidationError
+from prometheus_client import Counter, Gauge, Histogram
 
+from kvhandoff.engine.block_pool import hash_chain
 from kvhandoff.engine.request import SamplingParams
 from kvhandoff.handoff.connector import MODES, PULL_MODES, Connector, HandoffError
+from kvhandoff.handoff.reuse import decide
 from kvhandoff.serve import protocol as P
 from kvhandoff.serve.auth import check_control, control_headers
-from kvhandoff.serve.server import RequestStream, Server
+from kvhandoff.serve.server import CHAT, RequestStream, Server
 
 ROLES = ("prefill", "decode")
 
@@ -32,6 +36,9 @@ class KVRequest:
     remote: dict | None = None          # pull, decode side: the prefill's handoff object
     prefill_url: str | None = None      # push, decode side
     decode_url: str | None = None       # push, prefill side (informational)
+    reuse: dict | None = None           # bidirectional, prefill side: where the conversation's KV is kept
+    retain: bool = False                # bidirectional, decode side: keep this turn's KV
+    supersedes: str | None = None       # ... replacing this retained turn
 
     @property
     def remote_prompt_ids(self) -> list[int] | None:
@@ -56,6 +63,13 @@ class WorkerHandoff:
         self.events = Counter("kvhandoff_handoff_events", "Handoff failures, lease expiries, late notifications",
                               ["event"], registry=r)
         self._seen = dict(connector.counters)
+        if connector.retention is not None:
+            self.retained_sessions = Gauge("kvhandoff_retained_sessions", "Conversations whose KV is kept",
+                                           registry=r)
+            self.retained_bytes = Gauge("kvhandoff_retained_bytes", "Bytes of KV kept for later turns", registry=r)
+            self.retention_events = Counter("kvhandoff_retention_events", "Retained KV: expiries, evictions, "
+                                            "superseded turns, reuse hits (reverse reads)", ["event"], registry=r)
+            self._seen_retention = dict(connector.retention.counters)
 
     # ---- request parsing ------------------------------------------------------------------------
     def parse(self, params: dict, request: Request) -> KVRequest:
@@ -63,7 +77,8 @@ class WorkerHandoff:
         try:
             kv = KVRequest(handoff_id=str(params["handoff_id"]), mode=params["mode"], role=params["role"],
                            remote=params.get("remote"), prefill_url=params.get("prefill_url"),
-                           decode_url=params.get("decode_url"))
+                           decode_url=params.get("decode_url"), reuse=params.get("reuse"),
+                           retain=params.get("retain") is True, supersedes=params.get("supersedes"))
         except (KeyError, TypeError) as exc:
             raise P.APIError(400, f"kv_transfer_params lacks {exc}", param="kv_transfer_params") from None
         if kv.mode not in MODES:
@@ -75,19 +90,30 @@ class WorkerHandoff:
             raise P.APIError(400, "a pull decode needs kv_transfer_params.remote", param="kv_transfer_params.remote")
         if kv.role == "decode" and kv.mode not in PULL_MODES and not kv.prefill_url:
             raise P.APIError(400, "a push decode needs kv_transfer_params.prefill_url", param="kv_transfer_params")
+        if kv.reuse is not None and not (isinstance(kv.reuse, dict) and isinstance(kv.reuse.get("decode_url"), str)
+                                         and isinstance(kv.reuse.get("retention_id"), str)
+                                         and isinstance(kv.reuse.get("block_hashes"), list)):
+            raise P.APIError(400, "kv_transfer_params.reuse needs decode_url, retention_id and block_hashes",
+                             param="kv_transfer_params.reuse")
+        if kv.supersedes is not None and not isinstance(kv.supersedes, str):
+            raise P.APIError(400, "kv_transfer_params.supersedes must be a string", param="kv_transfer_params")
         return kv
 
     # ---- prefill side ---------------------------------------------------------------------------
     async def prefill(self, kv: KVRequest, request: Request, prompt_ids: list[int], params: SamplingParams):
         aio = asyncio.get_running_loop()
         done: asyncio.Future = aio.create_future()
+        preloaded, reuse = await self.reuse(kv, prompt_ids)
 
         def on_output(out) -> None:        # engine thread
             if out.finished:
                 aio.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
         try:
-            job = self.connector.submit_prefill(kv.handoff_id, prompt_ids, params, kv.mode, on_output)
+            job = self.connector.submit_prefill(kv.handoff_id, prompt_ids, params, kv.mode, on_output,
+                                                preloaded=preloaded)
         except ValueError as exc:
+            if preloaded is not None:
+                self.connector.loop.call(lambda: self.connector.engine.release_pinned(preloaded[0]))
             raise P.APIError(400, str(exc)) from None
         try:
             out = await done
@@ -110,8 +136,61 @@ class WorkerHandoff:
             handoff["phases_ms"] = {"prefill_queue": out.timings["queue_ms"],
                                     "prefill_compute": out.timings["prefill_ms"],
                                     **(job.phases if job is not None else {})}
+        handoff.update(reuse)
         self._observe("prefill", out.timings.get("total_ms"), handoff.get("bytes_transferred"))
         return JSONResponse({"handoff": handoff})
+
+    async def reuse(self, kv: KVRequest, prompt_ids: list[int]) -> tuple[tuple[str, int] | None, dict]:
+        """Bidirectional: fetch the conversation's retained KV from the decode worker that kept it, if
+        it is a true prefix of this prompt and fetching beats recomputing. Returns (preloaded for the
+        engine or None, the report fields for the handoff object). A failed fetch only means recompute."""
+        report = {"reused_tokens": 0, "reverse_bytes": 0}
+        if kv.reuse is None or not self.connector.cfg.bidirectional:
+            why = "no retained history named" if kv.reuse is None else "this worker runs without --bidirectional"
+            report["reuse_decision"] = {"decision": "none", "reason": why}
+            return None, report
+        c, engine = self.connector, self.connector.engine
+        hashes = hash_chain(prompt_ids, engine.block_size)
+        decision, blocks = decide(c.cfg.reuse, c.cost_model, len(prompt_ids), hashes, kv.reuse, engine.block_size,
+                                  c.layout.block_bytes, engine.pool.cached_prefix_len(hashes))
+        preloaded = None
+        if blocks:
+            started = time.monotonic()
+            try:
+                lease = await self._lease(kv.reuse["decode_url"], kv.reuse["retention_id"], blocks)
+                aio = asyncio.get_running_loop()
+                peer = await aio.run_in_executor(self.pool, c.ensure_peer, lease["agent_metadata"])
+                read_started = time.monotonic()
+                fetch = aio.run_in_executor(self.pool, c.fetch_retained, kv.handoff_id, peer, lease, blocks)
+                try:
+                    pin_id, nbytes = await asyncio.shield(fetch)
+                except asyncio.CancelledError:      # the router gave up: the blocks must not stay pinned
+                    fetch.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or c.loop.call(
+                        lambda: engine.release_pinned(f.result()[0])))
+                    raise
+            except HandoffError as exc:
+                decision.decision, decision.reason = "recomputed", f"fetch failed, recomputed: {exc}"
+            else:
+                done = time.monotonic()
+                c.cost_model.observe_fetch(nbytes, done - read_started, done - started)
+                preloaded = (pin_id, blocks * engine.block_size)
+                report.update(reused_tokens=blocks * engine.block_size, reverse_bytes=nbytes)
+                decision.fetch_ms = round((done - started) * 1e3, 3)
+        report["reuse_decision"] = decision.report()
+        return preloaded, report
+
+    async def _lease(self, decode_url: str, retention_id: str, num_blocks: int) -> dict:
+        try:
+            r = await self.http.post(f"{decode_url}/kv/retained/lease",
+                                     json={"retention_id": retention_id, "num_blocks": num_blocks})
+        except httpx.HTTPError as exc:
+            raise HandoffError(f"decode worker {decode_url} unreachable: {exc}", 502) from None
+        if r.status_code != 200:
+            raise HandoffError(f"decode worker {decode_url} has no such retained KV any more ({r.status_code})", 410)
+        lease = r.json()
+        if not isinstance(lease, dict) or not {"lease_id", "block_ids", "checksums", "agent_metadata"} <= set(lease):
+            raise HandoffError(f"decode worker {decode_url} answered a malformed read lease", 502)
+        return lease
 
     async def _wait_job(self, job) -> None:
         """Wait without holding an executor thread: with a thread per waiting prefill, a burst of
@@ -152,7 +231,8 @@ class WorkerHandoff:
             aio.call_soon_threadsafe(lambda: asyncio.ensure_future(self._register(kv, body)))
         try:
             self.connector.submit_decode(kv.handoff_id, kv.mode, prompt_ids, params, stream._on_output,
-                                         remote=kv.remote, peer=peer, register=register)
+                                         remote=kv.remote, peer=peer, register=register, retain=kv.retain,
+                                         supersedes=kv.supersedes)
         except HandoffError as exc:
             raise P.APIError(exc.status, str(exc), type="handoff_error") from None
         except ValueError as exc:
@@ -195,6 +275,16 @@ class WorkerHandoff:
             if now > self._seen[key]:
                 self.events.labels(key).inc(now - self._seen[key])
                 self._seen[key] = now
+        retention = self.connector.retention
+        if retention is not None:
+            stats = retention.stats()
+            self.retained_sessions.set(stats["num_retained_sessions"])
+            self.retained_bytes.set(stats["retained_bytes"])
+            for key in ("expiries", "evictions", "superseded", "reuse_hits"):
+                now = retention.counters[key]
+                if now > self._seen_retention[key]:
+                    self.retention_events.labels(key).inc(now - self._seen_retention[key])
+                    self._seen_retention[key] = now
 
     def info(self) -> dict:
         c = self.connector
@@ -204,15 +294,15 @@ class WorkerHandoff:
                 "dtype": str(c.engine.dtype).removeprefix("torch."), "model": c.engine.served_name}
 
 
-async def control_body(request: Request, secret: bytes) -> dict:
-    """An authenticated /kv/* message: a JSON object naming a handoff_id, or a 400 (never a 500)."""
+async def control_body(request: Request, secret: bytes, key: str = "handoff_id") -> dict:
+    """An authenticated /kv/* message: a JSON object naming a `key` string, or a 400 (never a 500)."""
     check_control(request, secret)
     try:
         body = await request.json()
     except ValueError:
         raise P.APIError(400, "the body is not valid JSON") from None
-    if not isinstance(body, dict) or not isinstance(body.get("handoff_id"), str):
-        raise P.APIError(400, "the body must be a JSON object with a string handoff_id", param="handoff_id")
+    if not isinstance(body, dict) or not isinstance(body.get(key), str):
+        raise P.APIError(400, f"the body must be a JSON object with a string {key}", param=key)
     return body
 
 
@@ -265,3 +355,47 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
             server.loop.abort(handoff_id)
         return {"cancelled": handoff_id}
 
+    @app.post("/kv/retained/lease")
+    async def kv_retained_lease(request: Request):
+        """Bidirectional, decode side: a prefill worker wants to READ a retained conversation's first
+        `num_blocks` blocks. Holds them in place until it reports back (or the read lease lapses)."""
+        body = await control_body(request, handoff.secret, key="retention_id")
+        num_blocks = body.get("num_blocks")
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise P.APIError(400, "num_blocks must be a positive integer", param="num_blocks")
+        aio = asyncio.get_running_loop()
+        lease = await aio.run_in_executor(handoff.pool, handoff.connector.lease_retained, body["retention_id"],
+                                          num_blocks)
+        if lease is None:
+            raise P.APIError(410, f"no retained KV {body['retention_id']!r} with {num_blocks} blocks here (expired, "
+                             "evicted or never kept)", type="handoff_error", code="retained_kv_gone")
+        return lease
+
+    @app.post("/kv/retained/release")
+    async def kv_retained_release(request: Request):
+        """Bidirectional, decode side: the router says this retained conversation will not be read."""
+        body = await control_body(request, handoff.secret, key="retention_id")
+        aio = asyncio.get_running_loop()
+        released = await aio.run_in_executor(handoff.pool, handoff.connector.release_retained, body["retention_id"])
+        return {"released": released}
+
+    @app.post("/kv/prompt")
+    async def kv_prompt(request: Request):
+        """Bidirectional: the block hashes a request's prompt has here, so the router can find a
+        conversation's retained KV for a client that names no session. Body: {"endpoint": the OpenAI
+        path, "request": the client's body}."""
+        check_control(request, handoff.secret)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise P.APIError(400, "the body is not valid JSON") from None
+        if not isinstance(body, dict) or not isinstance(body.get("request"), dict):
+            raise P.APIError(400, "the body must be {\"endpoint\": ..., \"request\": {...}}")
+        chat = body.get("endpoint") == CHAT
+        try:
+            parsed = (P.ChatCompletionRequest if chat else P.CompletionRequest).model_validate(body["request"])
+        except ValidationError as exc:
+            raise P.APIError(400, f"not a valid request: {exc.errors()[0].get('msg')}") from None
+        ids = server.chat_prompt(parsed) if chat else server.completion_prompt(parsed)
+        hashes = hash_chain(ids, handoff.connector.engine.block_size)
+        return {"num_tokens": len(ids), "block_hashes": [h.hex() for h in hashes]}

@@ -1,0 +1,223 @@
+"""Multi-turn benchmark (issue 5): does reading a conversation's KV back beat recomputing its history?
+
+    python -m kvhandoff.bench.multiturn [--model smollm2] [--mode push] [--conversations 3] [--turns 6]
+        [--new-tokens 300] [--answer-tokens 64] [--think-s 1.0] [--prefix-caching off,on] [--out DIR]
+
+For each prefill-side prefix-caching setting (off, as in the published experiment, and on, the real
+baseline), two stacks run side by side (`kvhandoff up --mode MODE`, prefill on core 0, decode on core
+1): one with `--bidirectional`, one without. Every conversation is played on both, alternating which
+goes first; turns follow each other after --think-s of think time, each prompt being the previous
+prompt + the answer + --new-tokens of new text, the answer --answer-tokens long (ignore_eos). Measured
+per turn: TTFT as the client sees it, the handoff's reuse_decision, reused tokens and reverse bytes;
+and every second the decode worker's retained bytes (/metrics) next to the bytes of the blocks its
+/health says are retained. Greedy answers of the two stacks must agree (correctness beside speed).
+Tables to stdout, progress to stderr, every figure to DIR/multiturn.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from kvhandoff.bench.client import RequestResult, completion_body, random_text, stream_completion
+from kvhandoff.bench.disagg import start_stacks
+from kvhandoff.bench.meta import cpu_model, git_commit, log
+from kvhandoff.bench.stack import Stack
+
+GOAL_LATER_TURNS_X = 1.6        # TTFT off / on at the later turns (history >= 1,500 tokens)
+GOAL_NO_TURN_SLOWER = 1.02      # no turn's TTFT on may exceed 1.02x off
+LATER_TURN_HISTORY = 1500
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvhandoff.bench.multiturn", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--mode", default="push", choices=["pull", "pull-reader", "push", "push-layerwise"])
+    p.add_argument("--conversations", type=int, default=3)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--new-tokens", type=int, default=300)
+    p.add_argument("--answer-tokens", type=int, default=64)
+    p.add_argument("--think-s", type=float, default=1.0)
+    p.add_argument("--prefix-caching", default="off,on", help="prefill-side prefix caching settings to run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-multiturn"))
+    args = p.parse_args(argv)
+    args.prefix_caching = [s.strip() for s in args.prefix_caching.split(",") if s.strip()]
+    if not set(args.prefix_caching) <= {"off", "on"} or not args.prefix_caching:
+        p.error("--prefix-caching takes off, on or off,on")
+    if len(os.sched_getaffinity(0)) < 2:
+        p.error("needs two cores (prefill and decode one each)")
+    return args
+
+
+def make_stacks(args, caching: str) -> dict[str, Stack]:
+    prefill_args = [] if caching == "on" else ["--prefill-args=--no-prefix-caching"]
+    stacks = {}
+    for name, extra in (("on", ["--bidirectional"]), ("off", [])):
+        label = f"prefix-{caching}-bidir-{name}"
+        stacks[name] = Stack(label, args.mode, "0,1", ["--model", args.model, *prefill_args, *extra],
+                             args.out / "logs" / f"{label}.log")
+    return stacks
+
+
+async def retained_bytes(client: httpx.AsyncClient, stack: Stack) -> dict:
+    """The decode worker's retained KV as it reports it (/metrics) and as its pool shows it (/health)."""
+    health = (await client.get(stack.url + "/health", timeout=10)).json()
+    decode = next(w for w in health["workers"] if w["role"] == "decode")
+    metrics = (await client.get(decode["url"] + "/metrics", timeout=10)).text
+    m = re.search(r"^kvhandoff_retained_bytes (\S+)$", metrics, re.M)
+    return {"t": time.time(), "reported_bytes": float(m[1]) if m else None, "num_retained": decode.get("num_retained"),
+            "held_bytes": decode.get("num_retained_blocks", 0) * decode.get("block_bytes", 0),
+            "num_blocks_in_use": decode["num_blocks"] - decode["num_free_blocks"]}
+
+
+async def sample_retention(client: httpx.AsyncClient, stack: Stack, into: list, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            into.append(await retained_bytes(client, stack))
+        except (httpx.HTTPError, ValueError, StopIteration, KeyError):
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except TimeoutError:
+            pass
+
+
+async def play(client: httpx.AsyncClient, stack: Stack, model: str, args, conversation: int,
+               words_per_token: float) -> list[dict]:
+    rng = random.Random(f"{args.seed}-conv-{conversation}")
+    turns = [random_text(rng, round(args.new_tokens * words_per_token)) for _ in range(args.turns)]
+    prompt, rows = "", []
+    for turn, new_text in enumerate(turns, start=1):
+        prompt = (prompt + " " + new_text).strip()
+        body = completion_body(model, prompt, args.answer_tokens)
+        result: RequestResult = await stream_completion(client, stack.url, body)
+        if not result.ok:
+            raise RuntimeError(f"{stack.name} conversation {conversation} turn {turn}: {result.error}")
+        h = result.handoff or {}
+        rows.append({"stack": stack.name, "conversation": conversation, "turn": turn,
+                     "prompt_tokens": result.prompt_tokens, "ttft_ms": result.ttft_ms, "tpot_ms": result.tpot_ms,
+                     "reuse_decision": h.get("reuse_decision"), "reused_tokens": h.get("reused_tokens"),
+                     "reverse_bytes": h.get("reverse_bytes"), "decode_cached_tokens": h.get("decode_cached_tokens"),
+                     "phases_ms": h.get("phases_ms"), "text": result.text})
+        log(f"  {stack.name:<24} conv {conversation} turn {turn}: {result.prompt_tokens:>5} tok  "
+            f"TTFT {result.ttft_ms:8.1f} ms  {((h.get('reuse_decision') or {}).get('decision') or '-'):<10} "
+            f"reused {h.get('reused_tokens') or 0}")
+        prompt += result.text
+        await asyncio.sleep(args.think_s)
+    return rows
+
+
+def summarize(rows: list[dict], caching: str, turns: int) -> dict:
+    on = {(r["conversation"], r["turn"]): r for r in rows if r["stack"].endswith("bidir-on")}
+    off = {(r["conversation"], r["turn"]): r for r in rows if r["stack"].endswith("bidir-off")}
+    per_turn = []
+    for turn in range(1, turns + 1):
+        keys = [k for k in on if k[1] == turn and k in off]
+        ratios = [off[k]["ttft_ms"] / on[k]["ttft_ms"] for k in keys]
+        per_turn.append({
+            "turn": turn, "prompt_tokens": statistics.median(on[k]["prompt_tokens"] for k in keys),
+            "ttft_on_ms": statistics.median(on[k]["ttft_ms"] for k in keys),
+            "ttft_off_ms": statistics.median(off[k]["ttft_ms"] for k in keys),
+            "speedup": statistics.median(ratios), "worst_on_over_off": max(1 / x for x in ratios),
+            "decisions": sorted({(on[k]["reuse_decision"] or {}).get("decision", "-") for k in keys}),
+            "reused_tokens": statistics.median(on[k]["reused_tokens"] or 0 for k in keys),
+            "same_text": f"{sum(on[k]['text'] == off[k]['text'] for k in keys)}/{len(keys)}"})
+    later = [t for t in per_turn if t["prompt_tokens"] - 0 >= LATER_TURN_HISTORY]
+    goals = {
+        "later_turns_speedup_min": min((t["speedup"] for t in later), default=None),
+        "worst_turn_on_over_off": max(t["worst_on_over_off"] for t in per_turn),
+    }
+    goals["later_turns_met"] = goals["later_turns_speedup_min"] is not None and \
+        goals["later_turns_speedup_min"] >= GOAL_LATER_TURNS_X
+    goals["no_turn_slower_met"] = goals["worst_turn_on_over_off"] <= GOAL_NO_TURN_SLOWER
+    return {"prefix_caching": caching, "per_turn": per_turn, "goals": goals}
+
+
+def print_summary(s: dict) -> None:
+    print(f"\nprefill prefix caching {s['prefix_caching']}: TTFT per turn, bidirectional on vs off "
+          "(medians over conversations; speedup = median of per-conversation off/on)")
+    head = f"{'turn':>4} {'prompt':>6} {'TTFT off':>9} {'TTFT on':>9} {'speedup':>8} {'worst on/off':>12} " \
+           f"{'decision':<22} {'reused':>6} {'same':>5}"
+    print(head + "\n" + "-" * len(head))
+    for t in s["per_turn"]:
+        print(f"{t['turn']:>4} {t['prompt_tokens']:>6.0f} {t['ttft_off_ms']:>9.1f} {t['ttft_on_ms']:>9.1f} "
+              f"{t['speedup']:>7.2f}x {t['worst_on_over_off']:>11.3f}x {','.join(t['decisions']):<22} "
+              f"{t['reused_tokens']:>6.0f} {t['same_text']:>5}")
+    g = s["goals"]
+    later = "-" if g["later_turns_speedup_min"] is None else f"{g['later_turns_speedup_min']:.2f}x"
+    print(f"  goal: TTFT speedup >= {GOAL_LATER_TURNS_X}x at turns with >= {LATER_TURN_HISTORY} prompt tokens: "
+          f"{later} ({'met' if g['later_turns_met'] else 'NOT met'})")
+    print(f"  goal: no turn slower than {GOAL_NO_TURN_SLOWER}x with bidirectional on: worst "
+          f"{g['worst_turn_on_over_off']:.3f}x ({'met' if g['no_turn_slower_met'] else 'NOT met'})")
+
+
+async def amain(args, registry: list[Stack]) -> dict:
+    report = {"meta": {"model": args.model, "mode": args.mode, "conversations": args.conversations,
+                       "turns": args.turns, "new_tokens": args.new_tokens, "answer_tokens": args.answer_tokens,
+                       "think_s": args.think_s, "seed": args.seed, "git_commit": git_commit(), "cpu": cpu_model(),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "pinning": "prefill core 0, decode core 1, 1 thread each; router unpinned"},
+              "runs": [], "turns": [], "retention_samples": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(connect=10, read=600, write=60, pool=None)) as client:
+        for caching in args.prefix_caching:
+            stacks = make_stacks(args, caching)
+            registry.extend(stacks.values())
+            start_stacks(list(stacks.values()))
+            try:
+                model = stacks["on"].model_name()
+                probe = await stream_completion(client, stacks["off"].url, completion_body(
+                    model, random_text(random.Random(-1), 400), 2))
+                words_per_token = 400 / probe.prompt_tokens
+                samples: list = []
+                stop = asyncio.Event()
+                sampler = asyncio.ensure_future(sample_retention(client, stacks["on"], samples, stop))
+                rows = []
+                for conv in range(args.conversations):
+                    order = ["on", "off"] if conv % 2 == 0 else ["off", "on"]
+                    for name in order:
+                        rows += await play(client, stacks[name], model, args, conv, words_per_token)
+                stop.set()
+                await sampler
+                # After the last turn: what is still retained, as reported and as held.
+                samples.append(await retained_bytes(client, stacks["on"]))
+            finally:
+                for stack in stacks.values():
+                    stack.stop()
+            summary = summarize(rows, caching, args.turns)
+            print_summary(summary)
+            report["runs"].append(summary)
+            report["turns"] += rows
+            report["retention_samples"].append({"prefix_caching": caching, "samples": samples})
+    (args.out / "multiturn.json").write_text(json.dumps(report, indent=1))
+    log(f"wrote {args.out / 'multiturn.json'}")
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    registry: list[Stack] = []
+
+    def interrupted(signum, frame):
+        log(f"signal {signum}: stopping the stacks")
+        for stack in registry:
+            stack.stop()
+        os._exit(130)
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    asyncio.run(amain(args, registry))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

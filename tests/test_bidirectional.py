@@ -1,0 +1,239 @@
+"""Bidirectional multi-turn reuse (issue 5): decode keeps a conversation's KV, the next turn's prefill
+reads it back. Engine and policy pieces first, then whole stacks (`kvhandoff up --bidirectional`) whose
+multi-turn greedy outputs must equal a fresh colocated server's for every full prompt."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from conftest import ServerProcess
+from test_engine import run_until_finished as finish
+from test_router import start_up
+
+from kvhandoff.config import EngineConfig
+from kvhandoff.engine.block_pool import hash_chain
+from kvhandoff.engine.engine import LLMEngine
+from kvhandoff.engine.request import SamplingParams
+from kvhandoff.handoff.reuse import CostModel, ReuseConfig, decide
+from kvhandoff.serve.sessions import SessionEntry, SessionMap
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(**overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(**{"model": "tiny", "dtype": "float32", "threads": 1, "num_blocks": 64,
+                                     **overrides}))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Engine: retention, eviction, local prefix on reservation, preloaded prompts
+
+def test_retained_kv_is_kept_reused_and_evicted_under_pressure():
+    engine = make_engine(num_blocks=16)
+    evicted = []
+    engine.on_evict = evicted.append
+    prompt = list(range(3, 103))                                  # 100 tokens: 4 blocks with the answer
+    engine.add_request("turn1", prompt, GREEDY, retain=True)
+    answer, out = finish(engine, "turn1")
+    entry = out.retained
+    assert entry.token_ids == prompt + answer[:-1]                # the last token's K/V was never computed
+    assert len(entry.block_ids) == 4 and engine.num_free_blocks == 12
+    # The next turn, arriving from a prefill worker: the retained blocks need not travel again.
+    nxt = entry.token_ids + [answer[-1]] + list(range(200, 240))
+    blocks = engine.reserve_for_remote_kv("turn2", nxt, GREEDY, len(nxt))
+    assert engine.requests["turn2"].num_cached_tokens == 96 and blocks[:3] == entry.block_ids[:3]
+    engine.kv_failed("turn2", recompute=False, reason="test over")
+    # A reader in progress keeps an entry; pressure evicts the unread ones, least recently used first.
+    engine.add_request("other", list(range(300, 390)), GREEDY, retain=True)
+    _, other = finish(engine, "other")
+    entry.readers = 1
+    engine.add_request("big", list(range(280, 280 + 32 * 9)), SamplingParams(max_tokens=1, ignore_eos=True))
+    finish(engine, "big")
+    assert evicted == ["other"] and "turn1" in engine.retained
+    entry.readers = 0
+    assert engine.release_retained("turn1") and not engine.release_retained("turn1")
+    assert engine.num_free_blocks == engine.num_blocks and not engine.retained
+
+
+def test_preloaded_kv_gives_the_same_tokens():
+    """KV of a prompt's prefix copied into pinned blocks of another engine, the request admitted with
+    it preloaded: only the suffix is computed and the output equals computing everything."""
+    source, target, reference = make_engine(), make_engine(), make_engine(enable_prefix_caching=False)
+    history = list(range(5, 141))                                 # 136 tokens
+    source.add_request("h", history, GREEDY, retain=True)
+    _, out = finish(source, "h")
+    prompt = out.retained.token_ids + list(range(400, 430))
+    expected = reference.generate([prompt], GREEDY)[0]
+    blocks = target.allocate_pinned("fetch", 4)
+    target.runner.kv_cache[blocks] = source.runner.kv_cache[out.retained.block_ids[:4]]
+    target.add_request("r", prompt, GREEDY, preloaded=("fetch", 128))
+    assert target.requests["r"].num_computed_tokens == 128
+    tokens, done = finish(target, "r")
+    assert tokens == expected and done.num_cached_tokens == 128
+    assert target.num_free_blocks == target.num_blocks and not target.pinned
+
+
+# ---------------------------------------------------------------------------------------------------
+# Policy: the cost model and the session map
+
+def candidate(tokens: list[int], expires_in_s: float = 400.0) -> dict:
+    return {"block_hashes": [h.hex() for h in hash_chain(tokens, 32)], "expires_in_s": expires_in_s}
+
+
+def test_reuse_decisions():
+    history = list(range(1000, 1400))                          # 12 full blocks
+    prompt = history + list(range(50, 90))
+    hashes = hash_chain(prompt, 32)
+    slow_prefill = CostModel(bandwidth_bps=1e9, fetch_overhead_s=0.001, prefill_tps=100.0)
+    fast_prefill = CostModel(bandwidth_bps=1e6, fetch_overhead_s=0.05, prefill_tps=1e6)
+    cfg = ReuseConfig()
+    args = (len(prompt), hashes, candidate(history), 32, 720 * 1024)
+    d, n = decide(cfg, slow_prefill, *args, locally_cached_blocks=0)
+    assert (d.decision, n) == ("fetched", 12) and d.est_fetch_ms < d.est_recompute_ms
+    d, n = decide(cfg, fast_prefill, *args, locally_cached_blocks=0)
+    assert (d.decision, n) == ("recomputed", 0) and "beats fetching" in d.reason
+    d, n = decide(ReuseConfig(policy="always"), fast_prefill, *args, locally_cached_blocks=0)
+    assert (d.decision, n) == ("fetched", 12)
+    d, _ = decide(cfg, slow_prefill, *args, locally_cached_blocks=12)
+    assert d.decision == "none" and "prefix cache" in d.reason
+    d, _ = decide(ReuseConfig(min_tokens=500), slow_prefill, *args, locally_cached_blocks=0)
+    assert d.decision == "recomputed" and "floor" in d.reason
+    d, _ = decide(cfg, slow_prefill, len(prompt), hashes, candidate(history, expires_in_s=1.0), 32, 720 * 1024, 0)
+    assert d.decision == "recomputed" and "expires" in d.reason
+    edited = history[:100] + [7] + history[101:] + list(range(50, 90))       # changed inside block 3
+    d, n = decide(cfg, slow_prefill, len(edited), hash_chain(edited, 32), candidate(history), 32, 720 * 1024, 0)
+    assert (d.decision, n) == ("fetched", 3) and "differs after token 96" in d.reason
+    other = list(range(2000, 2400))
+    d, n = decide(cfg, slow_prefill, len(other), hash_chain(other, 32), candidate(history), 32, 720 * 1024, 0)
+    assert (d.decision, n) == ("none", 0) and "edited" in d.reason
+
+
+def test_session_map_finds_the_longest_match_and_forgets_expired():
+    sessions = SessionMap()
+    far = time.monotonic() + 100
+    sessions.record(SessionEntry("a", "http://d1", "r1", 64, ["h1", "h2"], far))
+    sessions.record(SessionEntry("b", "http://d2", "r2", 96, ["h1", "h2", "h3"], far))
+    sessions.record(SessionEntry("c", "http://d2", "r3", 96, ["x1"], time.monotonic() - 1))
+    assert sessions.match(["h1", "h2", "h3", "h4"]).key == "b"
+    assert sessions.match(["h1", "h9"]).key in ("a", "b")
+    assert sessions.match(["zz"]) is None and sessions.get("c") is None
+    assert sessions.drop("b").retention_id == "r2" and sessions.match(["h1", "h2", "h3"]).key == "a"
+    assert sessions.sweep() == [] and len(sessions) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# End to end: conversations through the router
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
+ENGINE = ("--dtype", "float32", "--threads", "1", "--num-blocks", "512")
+NO_PREFILL_CACHE = ("--prefill-args=--no-prefix-caching",)
+
+
+def words(n: int, seed: int) -> str:
+    return " ".join(WORDS[(i * 5 + seed * 3 + i // 7) % len(WORDS)] for i in range(n))
+
+
+def complete(url: str, prompt: str, session: str | None = None, max_tokens: int = 16) -> dict:
+    headers = {"X-Session-Id": session} if session else {}
+    r = httpx.post(url + "/v1/completions", headers=headers, timeout=120,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    """The reference: a fresh colocated server's answer to every full prompt (no prefix cache)."""
+    server = ServerProcess([*ENGINE[:4], "--model", "tiny", "--no-prefix-caching"],
+                           tmp_path_factory.mktemp("colocated") / "serve.log")
+    yield server
+    server.stop()
+
+
+def conversation(url: str, reference: str, turns: int, seed: int, session: str | None) -> list[dict]:
+    """`turns` turns, each prompt = the previous prompt + its answer + ~40 new words; every answer is
+    checked against the reference; returns the handoff objects."""
+    prompt, reports = words(120, seed), []
+    for turn in range(turns):
+        got = complete(url, prompt, session)
+        expected = complete(reference, prompt)["choices"][0]["text"]
+        assert got["choices"][0]["text"] == expected, f"turn {turn + 1} differs from colocated"
+        reports.append(got["handoff"])
+        prompt = prompt + got["choices"][0]["text"] + " " + words(40, seed + turn + 1)
+    return reports
+
+
+def decode_health(url: str) -> dict:
+    workers = httpx.get(url + "/health", timeout=10).json()["workers"]
+    return next(w for w in workers if w["role"] == "decode")
+
+
+@pytest.mark.parametrize("mode", ["pull", "push", "push-layerwise"])
+def test_four_turns_reuse_the_history(mode, colocated, tmp_path):
+    # Prefill-side prefix caching off, as in the published experiment: otherwise the prefill worker
+    # still holds most of the history itself and (rightly) fetches nothing.
+    up = start_up(tmp_path, mode, *ENGINE, *NO_PREFILL_CACHE, "--bidirectional", "--reuse-policy", "always")
+    try:
+        for session in ("chat-1", None):        # named by the client, and found by prompt hashes
+            reports = conversation(up.url, colocated.url, 4, seed=len(mode) + (session is None), session=session)
+            assert reports[0]["reuse_decision"]["decision"] == "none"
+            for turn, report in enumerate(reports[1:], start=2):
+                assert report["reuse_decision"]["decision"] == "fetched", (turn, report["reuse_decision"])
+                assert report["reused_tokens"] >= 128 and report["reverse_bytes"] > 0, report
+                # The turn's decode worker still held the history: only the new blocks travelled.
+                assert report["decode_cached_tokens"] >= 128, report
+                assert report["retained"]["num_tokens"] > 0
+        # Edited history: the match stops where the text changed (or never starts).
+        first = words(120, 40)
+        answer = complete(up.url, first, "edited")["choices"][0]["text"]
+        edited = "zulu " + first[5:] + answer + " " + words(30, 41)
+        got = complete(up.url, edited, "edited")
+        assert got["choices"][0]["text"] == complete(colocated.url, edited)["choices"][0]["text"]
+        assert got["handoff"]["reuse_decision"]["decision"] == "none", got["handoff"]["reuse_decision"]
+        # Below the floor (64 tokens): a short history is recomputed.
+        short = words(10, 50)                   # ~40 tokens: one full block
+        answer = complete(up.url, short, "short")["choices"][0]["text"]
+        report = complete(up.url, short + answer + " " + words(30, 51), "short")["handoff"]
+        assert report["reuse_decision"]["decision"] == "recomputed" and "floor" in report["reuse_decision"]["reason"]
+        metrics = httpx.get(decode_health(up.url)["url"] + "/metrics", timeout=10).text
+        assert "kvhandoff_retained_sessions" in metrics and 'kvhandoff_retention_events_total{event="reuse_hits"}' in metrics
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
+
+
+def test_expired_and_evicted_history_is_recomputed(colocated, tmp_path):
+    """A short TTL: after it the decode pool is back at baseline and the next turn recomputes
+    correctly. A memory cap smaller than one conversation: the KV is evicted at once and the next
+    turn's fetch finds it gone, recomputes, and still answers right."""
+    up = start_up(tmp_path, "pull", *ENGINE, *NO_PREFILL_CACHE, "--bidirectional", "--reuse-policy", "always",
+                  "--retention-ttl", "2")
+    try:
+        prompt = words(150, 60)
+        answer = complete(up.url, prompt, "ttl")["choices"][0]["text"]
+        assert decode_health(up.url)["num_retained"] == 1
+        time.sleep(3)
+        h = decode_health(up.url)
+        assert h["num_retained"] == 0 and h["num_free_blocks"] == h["num_blocks"], h
+        nxt = prompt + answer + " " + words(30, 61)
+        got = complete(up.url, nxt, "ttl")
+        assert got["choices"][0]["text"] == complete(colocated.url, nxt)["choices"][0]["text"]
+        assert got["handoff"]["reuse_decision"]["decision"] == "none"      # the router forgot it too
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
+    up = start_up(tmp_path, "push", *ENGINE, *NO_PREFILL_CACHE, "--bidirectional", "--reuse-policy", "always",
+                  "--retention-max-bytes", "1000")
+    try:
+        prompt = words(150, 70)
+        answer = complete(up.url, prompt, "cap")["choices"][0]["text"]
+        h = decode_health(up.url)
+        assert h["num_retained"] == 0 and h["num_free_blocks"] == h["num_blocks"], h
+        nxt = prompt + answer + " " + words(30, 71)
+        got = complete(up.url, nxt, "cap")
+        assert got["choices"][0]["text"] == complete(colocated.url, nxt)["choices"][0]["text"]
+        decision = got["handoff"]["reuse_decision"]
+        assert decision["decision"] == "recomputed" and "no such retained KV" in decision["reason"], decision
+        metrics = httpx.get(h["url"] + "/metrics", timeout=10).text
+        assert 'kvhandoff_retention_events_total{event="evictions"} 2.0' in metrics
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
