@@ -169,7 +169,7 @@ def decode_health(url: str) -> dict:
     return next(w for w in workers if w["role"] == "decode")
 
 
-@pytest.mark.parametrize("mode", ["pull", "push", "push-layerwise"])
+@pytest.mark.parametrize("mode", ["pull", "pull-reader", "push", "push-layerwise"])
 def test_four_turns_reuse_the_history(mode, colocated, tmp_path):
     # Prefill-side prefix caching off, as in the published experiment: otherwise the prefill worker
     # still holds most of the history itself and (rightly) fetches nothing.
