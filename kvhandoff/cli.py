@@ -13,6 +13,7 @@ import os
 import shlex
 import signal
 import sys
+from pathlib import Path
 
 from kvhandoff.config import EngineConfig
 
@@ -253,6 +254,29 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run(cfg)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Measure an OpenAI-compatible endpoint (--target) or our own stacks (--launch) under a workload:
+    TTFT, TPOT, inter-token latency, end to end, goodput, and the handoff phases when the server
+    reports them. Talks HTTP only."""
+    from kvhandoff.bench.command import main
+
+    if args.launch is not None:
+        args.launch = [m.strip() for m in args.launch.split(",") if m.strip()]
+        unknown = set(args.launch) - {"colocated", "pull", "pull-reader", "push", "push-layerwise"}
+        if unknown or not args.launch:
+            raise SystemExit(f"kvhandoff bench: --launch takes modes among colocated, pull, pull-reader, push, "
+                             f"push-layerwise; not {sorted(unknown) or args.launch}")
+        # Grid rates are fractions of the colocated capacity, measured on the first stack: colocated first.
+        args.launch.sort(key=lambda m: m != "colocated")
+    args.rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    if not args.rates or any(r <= 0 for r in args.rates):
+        raise SystemExit("kvhandoff bench: --rates must be positive fractions of capacity, e.g. 0.25,0.5,0.75,0.9")
+    args.launch_args = shlex.split(args.launch_args)
+    if args.workload == "grid" and args.longest is not None and (args.shortest or 16) > args.longest:
+        raise SystemExit("kvhandoff bench: --shortest must not exceed --longest")
+    return main(args)
+
+
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     """Data-plane throughput and latency per backend, next to memcpy and a raw loopback sendmsg stream."""
     import json
@@ -329,6 +353,51 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("bench", help="measure TTFT/TPOT/goodput of an endpoint or of our stacks under a workload",
+                       description=cmd_bench.__doc__)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--target", metavar="URL", help="any OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    which.add_argument("--launch", metavar="MODE[,MODE...]",
+                       help="start `kvhandoff up --mode MODE` for each mode in turn (colocated, pull, pull-reader, "
+                            "push, push-layerwise), measure, stop it")
+    p.add_argument("--workload", default="grid",
+                   help="grid, multiturn, or a JSON-lines file to replay (see kvhandoff/bench/workload.py) "
+                        "(default: %(default)s)")
+    p.add_argument("--model", default="smollm2", help="--launch: the model to serve (default: %(default)s)")
+    p.add_argument("--served-name", default=None, help="model name to send (default: what /v1/models says)")
+    p.add_argument("--launch-args", default="", metavar="FLAGS",
+                   help="--launch: more flags for `kvhandoff up`, e.g. \"--no-prefix-caching --bidirectional\"")
+    p.add_argument("--cores", default="0,1", help="--launch: cores for the stack (default: %(default)s)")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    g = p.add_argument_group("grid workload")
+    g.add_argument("--rates", default="0.25,0.5,0.75,0.9",
+                   help="Poisson rates as fractions of the measured capacity (default: %(default)s)")
+    g.add_argument("--capacity", type=float, default=None, metavar="REQ_S",
+                   help="capacity in requests/s (default: measured with a burst on the first target)")
+    g.add_argument("--capacity-requests", type=int, default=12)
+    g.add_argument("--requests", type=int, default=24, help="requests per rate (default: %(default)s)")
+    g.add_argument("--shortest", type=int, default=None, help="tokens (default: longest / 16)")
+    g.add_argument("--longest", type=int, default=None,
+                   help="tokens (default: chosen so its prefill takes about as long as decoding --output-tokens, "
+                        "as the original 16k prompts did)")
+    g.add_argument("--output-tokens", type=int, default=128)
+    g = p.add_argument_group("multiturn workload")
+    g.add_argument("--conversations", type=int, default=4)
+    g.add_argument("--turns", type=int, default=6)
+    g.add_argument("--new-tokens", type=int, default=300)
+    g.add_argument("--answer-tokens", type=int, default=64)
+    g.add_argument("--think-s", type=float, default=2.0)
+    g.add_argument("--resume-after-s", type=float, default=0.0,
+                   help="every other conversation's last turn comes back after this long idle (0: never)")
+    g = p.add_argument_group("report")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--save-workload", type=Path, default=None, metavar="FILE",
+                   help="write the generated workload (first point) as JSON lines, to replay with --workload FILE")
+    g.add_argument("--out", type=Path, default=Path("bench-out"), help="(default: %(default)s)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("bench-transfer", help="measure the KV transfer backends (GB/s and 4 KiB latency)",
                        description=cmd_bench_transfer.__doc__)

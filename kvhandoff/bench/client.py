@@ -74,12 +74,20 @@ def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
             "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict) -> RequestResult:
+def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict,
+                            headers: dict | None = None) -> RequestResult:
+    """One streamed request; a body with `messages` goes to chat completions, else to completions."""
     result = RequestResult()
     t0 = result.sent_at = time.perf_counter()
     ms = lambda: (time.perf_counter() - t0) * 1e3
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{base_url}{path}", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 raw = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {error_message(raw)}"
@@ -104,7 +112,8 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict
 
 
 def read_chunk(result: RequestResult, chunk: dict, now_ms: float) -> None:
-    text = "".join(choice.get("text") or "" for choice in chunk.get("choices") or ())
+    text = "".join(choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                   for choice in chunk.get("choices") or ())
     if text:
         result.text += text
         result.token_times_ms.append(now_ms)

@@ -1,0 +1,172 @@
+"""`kvhandoff bench` end to end: pick targets (a URL, or stacks it launches), build the workload,
+measure every point, write the outputs. The parser lives in kvhandoff.cli; this is what it runs."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import signal
+from pathlib import Path
+
+import httpx
+
+from kvhandoff.bench import workload as W
+from kvhandoff.bench.client import completion_body, random_text, stream_completion
+from kvhandoff.bench.harness import Point, run_meta, run_point, write_outputs
+from kvhandoff.bench.meta import log
+from kvhandoff.bench.stack import Stack
+
+TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
+
+
+class BenchError(Exception):
+    """Something the user must fix (unreachable target, bad workload file): one clear line, no traceback."""
+
+
+async def served_model(client: httpx.AsyncClient, url: str) -> dict:
+    try:
+        r = await client.get(url + "/v1/models", timeout=10.0)
+        r.raise_for_status()
+        return r.json()["data"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise BenchError(f"{url} does not answer GET /v1/models like an OpenAI-compatible server: "
+                         f"{type(exc).__name__}: {exc}") from None
+
+
+async def calibrate(client: httpx.AsyncClient, url: str, model: str, output_tokens: int) -> dict:
+    """Words per token of the generated text, and one long request's TTFT and TPOT on this target."""
+    probe = await stream_completion(client, url, completion_body(model, random_text(random.Random(-1), 1024), 32))
+    if not probe.ok or not probe.prompt_tokens:
+        raise BenchError(f"calibration request to {url} failed: {probe.error or 'no usage reported'}")
+    return {"words_per_token": 1024 / probe.prompt_tokens, "ttft_ms": probe.ttft_ms, "tpot_ms": probe.tpot_ms,
+            "prompt_tokens": probe.prompt_tokens}
+
+
+def auto_longest(cal: dict, output_tokens: int, max_model_len: int) -> int:
+    """The original experiment's longest prompts (16k) take about as long to prefill as decoding its
+    128 tokens; choose the length with the same ratio here (prefill time ~ linear in length)."""
+    per_token_ms = cal["ttft_ms"] / cal["prompt_tokens"]
+    longest = round(output_tokens * (cal["tpot_ms"] or 0) / per_token_ms)
+    return max(256, min(longest, max_model_len - output_tokens - 8))
+
+
+async def capacity(client: httpx.AsyncClient, url: str, model: str, args, words_per_token: float) -> float:
+    """Requests per second the target completes given a burst from the grid's length mix."""
+    items = W.grid(args.seed + 7919, args.capacity_requests, 1e9, args.shortest, args.longest, words_per_token,
+                   args.output_tokens)
+    point = Point("capacity", "capacity", url, None, [W.WorkItem(0.0, prompt=i.prompt, max_tokens=i.max_tokens)
+                                                     for i in items])
+    await run_point(client, point, model)
+    failed = [r.error for r in point.results if not r.ok]
+    if failed:
+        raise BenchError(f"capacity burst against {url}: {len(failed)} of {len(items)} failed, e.g. {failed[0]}")
+    return len(point.results) / point.wall_s
+
+
+def build_workload(args, words_per_token: float, rate: float | None) -> list[W.WorkItem]:
+    if args.workload == "grid":
+        return W.grid(args.seed, args.requests, rate, args.shortest, args.longest, words_per_token, args.output_tokens)
+    if args.workload == "multiturn":
+        return W.multiturn(args.seed, args.conversations, args.turns, args.new_tokens, args.answer_tokens,
+                           args.think_s, words_per_token, resumed_after_s=args.resume_after_s)
+    return W.load(Path(args.workload))
+
+
+async def measure_target(client, args, url: str, mode: str, model: str, cal: dict,
+                         loads: list[tuple[float, float] | None]) -> list[Point]:
+    """One point per load (fraction of capacity, rate in requests/s), or one replayed point (None)."""
+    points = []
+    for load in loads:
+        rate = None if load is None else load[1]
+        items = build_workload(args, cal["words_per_token"], rate)
+        if args.save_workload and not points:
+            W.save(items, args.save_workload)
+            log(f"workload saved to {args.save_workload}")
+        label = mode if load is None else f"{mode}@{load[0]:g}x"
+        point = Point(label, mode, url, rate, items)
+        log(f"{label}: {len(items)} requests")
+        await run_point(client, point, model)
+        points.append(point)
+    return points
+
+
+async def amain(args, stacks: list[Stack]) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    points: list[Point] = []
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=None)) as client:
+        if args.target:
+            targets = [("target", args.target.rstrip("/").removesuffix("/v1"))]
+        else:
+            targets = [(mode, None) for mode in args.launch]
+        model = None
+        cap = args.capacity
+        for mode, url in targets:
+            stack = None
+            if url is None:
+                stack = Stack(mode, mode, args.cores, ["--model", args.model, *args.launch_args],
+                              args.out / "logs" / f"{mode}.log")
+                stacks.append(stack)
+                stack.start()
+                log(f"launching {mode} (log {stack.log_path})")
+                try:
+                    stack.wait_ready(args.startup_timeout)
+                except (RuntimeError, TimeoutError) as exc:
+                    raise BenchError(str(exc)) from None
+                url = stack.url
+            try:
+                card = await served_model(client, url)
+                model = model or args.served_name or card["id"]
+                cal = await calibrate(client, url, model, args.output_tokens)
+                if args.workload == "grid":
+                    if args.longest is None:
+                        args.longest = auto_longest(cal, args.output_tokens, card.get("max_model_len") or 4096)
+                        args.shortest = args.shortest or max(16, args.longest // 16)
+                        log(f"prompt lengths {args.shortest}-{args.longest} tokens (prefill of the longest ~ "
+                            f"{args.output_tokens} decode steps here)")
+                    args.shortest = args.shortest or max(16, args.longest // 16)
+                    if cap is None:
+                        log(f"measuring the capacity of {mode} ({args.capacity_requests}-request burst)")
+                        cap = await capacity(client, url, model, args, cal["words_per_token"])
+                        log(f"capacity {cap:.3f} req/s")
+                    loads = [(f, f * cap) for f in args.rates]
+                else:
+                    loads = [None]
+                points += await measure_target(client, args, url, mode, model, cal, loads)
+            finally:
+                if stack is not None:
+                    stack.stop()
+    meta = run_meta(args, model or "?", args.target or f"kvhandoff up --mode {','.join(args.launch)}")
+    meta["capacity_req_s"] = cap
+    summaries = write_outputs(args.out, meta, points, args.slo_ttft_ms, args.slo_tpot_ms)
+    print((args.out / "summary.md").read_text(), flush=True)
+    failed = sum(s["failed"] for s in summaries)
+    log(f"wrote {args.out}/results.jsonl, summary.json, summary.md" + (f"; {failed} requests failed" if failed else ""))
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.workload not in ("grid", "multiturn") and not Path(args.workload).is_file():
+        raise SystemExit(f"kvhandoff bench: --workload must be grid, multiturn or a JSON-lines file; "
+                         f"{args.workload!r} is none of them")
+    if args.workload not in ("grid", "multiturn"):
+        try:
+            W.load(Path(args.workload))
+        except ValueError as exc:
+            raise SystemExit(f"kvhandoff bench: {exc}") from None
+    stacks: list[Stack] = []
+
+    def interrupted(signum, frame):
+        log(f"signal {signum}: stopping")
+        for stack in stacks:
+            stack.stop()
+        raise SystemExit(130)
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        return asyncio.run(amain(args, stacks))
+    except BenchError as exc:
+        raise SystemExit(f"kvhandoff bench: {exc}") from None
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for stack in stacks:
+            stack.stop()

@@ -1,0 +1,175 @@
+"""`kvhandoff bench`: send a workload to an OpenAI-compatible endpoint and report what the client saw.
+
+Talks HTTP only (it measures other serving systems as well as ours). A run is one or more *points*
+(a mode and a load), each a workload sent against a base URL: items leave at their arrival offsets
+(multi-turn items after their previous turn's answer and think time), every request is streamed and
+timed from the outside (client.py), and the server's `timings` / `handoff` objects ride along. Nothing
+is dropped: a request that fails is a row with its error, counted in the summary.
+
+Outputs in --out: results.jsonl (one row per request), summary.json (what was measured and the
+statistics per point), summary.md (the same as tables).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvhandoff.bench.client import RequestResult, chat_body, completion_body, percentile, stream_completion
+from kvhandoff.bench.meta import cpu_model, git_commit, log
+from kvhandoff.bench.workload import WorkItem
+
+PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
+
+
+@dataclass
+class Point:
+    """One measured configuration: a mode (or target) and a load."""
+    label: str                      # e.g. "push@0.50"
+    mode: str                       # the stack's mode, or "target"
+    url: str
+    rate: float | None              # requests/s of the arrivals (None: replayed offsets)
+    items: list[WorkItem]
+    results: list[RequestResult] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None:
+    """Send every item of the point at its time; fill point.results in item order."""
+    results: list[RequestResult | None] = [None] * len(point.items)
+    answered = [asyncio.Event() for _ in point.items]
+    histories: list[list[dict] | None] = [None] * len(point.items)
+    t0 = time.perf_counter()
+    done = 0
+
+    async def one(index: int, item: WorkItem) -> None:
+        nonlocal done
+        if item.after is None:
+            await asyncio.sleep(max(0.0, t0 + item.offset_s - time.perf_counter()))
+            history = list(item.messages or [])
+        else:
+            await answered[item.after].wait()
+            await asyncio.sleep(item.think_s)
+            prev = results[item.after]
+            history = (histories[item.after] or []) + [{"role": "assistant", "content": prev.text}] + \
+                (item.messages or [])
+        histories[index] = history
+        if item.messages is not None:
+            body = chat_body(model, history, item.max_tokens)
+        else:
+            body = completion_body(model, item.prompt, item.max_tokens)
+        headers = {"X-Session-Id": item.session_id} if item.session_id else None
+        result = await stream_completion(client, point.url, body, headers)
+        results[index] = result
+        answered[index].set()
+        done += 1
+        if done == len(point.items) or done % max(1, len(point.items) // 10) == 0:
+            failed = sum(1 for r in results if r is not None and not r.ok)
+            log(f"  {point.label}: {done}/{len(point.items)} done" + (f", {failed} failed" if failed else ""))
+
+    await asyncio.gather(*(one(i, item) for i, item in enumerate(point.items)))
+    point.wall_s = time.perf_counter() - t0
+    point.results = [r for r in results if r is not None]
+
+
+def result_row(point: Point, index: int, item: WorkItem, r: RequestResult) -> dict:
+    itl = [b - a for a, b in zip(r.token_times_ms, r.token_times_ms[1:])]
+    return {"point": point.label, "mode": point.mode, "rate": point.rate, "index": index,
+            "target_tokens": item.target_tokens, "session_id": item.session_id, **item.tags,
+            "ok": r.ok, "error": r.error, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+            "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms, "e2e_ms": r.e2e_ms,
+            "itl_ms": [round(x, 3) for x in itl], "timings": r.timings, "handoff": r.handoff}
+
+
+def stats(values: list[float | None]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "mean": statistics.fmean(values), "p50": percentile(values, 50),
+            "p90": percentile(values, 90), "p99": percentile(values, 99)}
+
+
+def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict:
+    ok = [r for r in rows if r["ok"]]
+    good = [r for r in ok if (slo_ttft_ms is None or r["ttft_ms"] <= slo_ttft_ms)
+            and (slo_tpot_ms is None or (r["tpot_ms"] or 0) <= slo_tpot_ms)]
+    phases = {p: stats([((r["handoff"] or {}).get("phases_ms") or {}).get(p) for r in ok]) for p in PHASES}
+    return {
+        "label": point.label, "mode": point.mode, "rate": point.rate, "requests": len(rows),
+        "completed": len(ok), "failed": len(rows) - len(ok),
+        "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5],
+        "wall_s": point.wall_s, "throughput_req_s": len(ok) / point.wall_s if point.wall_s else None,
+        "output_tokens": sum(r["output_tokens"] for r in ok),
+        "ttft_ms": stats([r["ttft_ms"] for r in ok]), "tpot_ms": stats([r["tpot_ms"] for r in ok]),
+        "itl_ms": stats([x for r in ok for x in r["itl_ms"]]), "e2e_ms": stats([r["e2e_ms"] for r in ok]),
+        "goodput": {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "good": len(good),
+                    "share": len(good) / len(rows) if rows else None,
+                    "req_s": len(good) / point.wall_s if point.wall_s else None},
+        "phases_ms": {p: s for p, s in phases.items() if s["n"]},
+    }
+
+
+def fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(meta: dict, summaries: list[dict]) -> str:
+    lines = [f"# kvhandoff bench: {meta['workload']} on {meta['target']}", "",
+             f"model `{meta['model']}`, kvhandoff {meta['kvhandoff_version']} ({meta['git_commit']}), "
+             f"{meta['cpu']} ({meta['cores']} cores), seed {meta['seed']}, started {meta['started']}", "",
+             "| point | rate req/s | requests | failed | done req/s | TTFT p50 | p90 | p99 | TPOT p50 | p90 | p99 "
+             "| e2e p50 | goodput |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        t, p, e, g = s["ttft_ms"], s["tpot_ms"], s["e2e_ms"], s["goodput"]
+        lines.append(f"| {s['label']} | {fmt(s['rate'], '.3f')} | {s['requests']} | {s['failed']} | "
+                     f"{fmt(s['throughput_req_s'], '.3f')} | "
+                     f"{fmt(t.get('p50'))} | {fmt(t.get('p90'))} | {fmt(t.get('p99'))} | {fmt(p.get('p50'), '.2f')} | "
+                     f"{fmt(p.get('p90'), '.2f')} | {fmt(p.get('p99'), '.2f')} | {fmt(e.get('p50'), '.0f')} | "
+                     f"{fmt(g['share'], '.0%')} |")
+    phased = [s for s in summaries if s["phases_ms"]]
+    if phased:
+        lines += ["", "Handoff phases, p50 ms (from the server's `handoff` objects):", "",
+                  "| point | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+        for s in phased:
+            lines.append(f"| {s['label']} | " + " | ".join(fmt(s["phases_ms"].get(p, {}).get("p50")) for p in PHASES)
+                         + " |")
+    slo = summaries[0]["goodput"] if summaries else {}
+    lines += ["", f"Times in ms as the client saw them (TTFT: request sent -> first streamed token). Goodput: "
+              f"share of requests meeting TTFT <= {slo.get('slo_ttft_ms')} ms and TPOT <= {slo.get('slo_tpot_ms')} ms "
+              "(None: no bound)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, meta: dict, points: list[Point], slo_ttft_ms, slo_tpot_ms) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    with open(out / "results.jsonl", "w") as f:
+        for point in points:
+            rows = [result_row(point, i, item, r) for i, (item, r) in enumerate(zip(point.items, point.results))]
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            summaries.append(summarize(point, rows, slo_ttft_ms, slo_tpot_ms))
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "points": summaries}, indent=1))
+    (out / "summary.md").write_text(markdown(meta, summaries))
+    return summaries
+
+
+def run_meta(args, model: str, target: str) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        kv_version = version("kvhandoff")
+    except PackageNotFoundError:
+        kv_version = "unknown"
+    return {"workload": args.workload, "target": target, "model": model, "seed": args.seed,
+            "kvhandoff_version": kv_version, "git_commit": git_commit(), "cpu": cpu_model(),
+            "cores": len(os.sched_getaffinity(0)), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": sys.argv[1:], "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                                             if k not in ("func", "extra")}}

@@ -1,0 +1,121 @@
+"""Workloads for `kvhandoff bench`: what to send and when, generated from a seed or replayed from a file.
+
+A workload is a list of WorkItems, each an arrival offset and an OpenAI request (a completion prompt or
+chat messages, max_tokens, optional session id). Saved as JSON lines, one item per line, so a generated
+workload can be replayed exactly, or a recorded one measured:
+
+    {"offset_s": 0.0, "prompt": "...", "max_tokens": 128}
+    {"offset_s": 1.7, "messages": [{"role": "user", "content": "..."}], "max_tokens": 64, "session_id": "c1"}
+
+Multi-turn items name the turn they continue (`after`: the index of the previous turn's item): their
+prompt is that turn's prompt, its answer and the item's own new text, known only once the answer is
+in, and they are sent `think_s` after it (offset_s is ignored for them).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvhandoff.bench.client import random_text
+
+
+@dataclass
+class WorkItem:
+    offset_s: float = 0.0
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    max_tokens: int = 128
+    session_id: str | None = None
+    after: int | None = None            # multi-turn: index of the item whose answer this turn continues
+    think_s: float = 0.0                # multi-turn: pause after that answer
+    target_tokens: int | None = None    # what the generator aimed at (reports group by it)
+    tags: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("a work item needs exactly one of prompt and messages")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, not {self.max_tokens!r}")
+        if self.offset_s < 0 or self.think_s < 0:
+            raise ValueError("offset_s and think_s cannot be negative")
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in (None, {}) and not (k == "think_s" and v == 0)}
+
+
+def save(items: list[WorkItem], path: Path) -> None:
+    with open(path, "w") as f:
+        for item in items:
+            f.write(json.dumps(item.to_json()) + "\n")
+
+
+def load(path: Path) -> list[WorkItem]:
+    """Read a JSON-lines workload; errors name the line."""
+    items = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                if not isinstance(data, dict):
+                    raise ValueError("not a JSON object")
+                unknown = set(data) - set(WorkItem.__dataclass_fields__)
+                if unknown:
+                    raise ValueError(f"unknown field(s) {sorted(unknown)}")
+                item = WorkItem(**data)
+                if item.after is not None and not 0 <= item.after < len(items):
+                    raise ValueError(f"after={item.after} does not name an earlier item")
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: {exc}") from None
+            items.append(item)
+    if not items:
+        raise ValueError(f"{path}: no work items")
+    return items
+
+
+def poisson_offsets(rng: random.Random, count: int, rate: float) -> list[float]:
+    offsets, t = [], 0.0
+    for _ in range(count):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
+
+
+def grid(seed: int, count: int, rate: float, shortest: int, longest: int, words_per_token: float,
+         max_tokens: int = 128) -> list[WorkItem]:
+    """The push/pull experiment's mix, scaled: prompt lengths log-uniform in [shortest, longest]
+    tokens (the original spans 1k-16k, a 16x range), Poisson arrivals at `rate` per second."""
+    rng = random.Random(f"grid-{seed}-{rate}")
+    items = []
+    for offset in poisson_offsets(rng, count, rate):
+        tokens = round(math.exp(rng.uniform(math.log(shortest), math.log(longest))))
+        items.append(WorkItem(offset, prompt=random_text(rng, max(1, round(tokens * words_per_token))),
+                              max_tokens=max_tokens, target_tokens=tokens))
+    return items
+
+
+def multiturn(seed: int, conversations: int, turns: int, new_tokens: int, answer_tokens: int, think_s: float,
+              words_per_token: float, stagger_s: float = 2.0, resumed_after_s: float = 0.0) -> list[WorkItem]:
+    """Conversations as chat messages: each turn adds ~new_tokens of user text to the history and
+    waits think_s (jittered, sometimes longer: a tool-like pause) after the previous answer. With
+    resumed_after_s, the last turn of every other conversation comes back after that long idle."""
+    rng = random.Random(f"multiturn-{seed}")
+    items: list[WorkItem] = []
+    for conv in range(conversations):
+        previous = None
+        for turn in range(1, turns + 1):
+            text = random_text(rng, max(1, round(new_tokens * words_per_token)))
+            pause = think_s * rng.uniform(0.5, 1.5) * (4 if rng.random() < 0.15 else 1)
+            if resumed_after_s and turn == turns and conv % 2 == 1:
+                pause = resumed_after_s
+            item = WorkItem(conv * stagger_s, messages=[{"role": "user", "content": text}],
+                            max_tokens=answer_tokens, session_id=f"conv-{seed}-{conv}", after=previous,
+                            think_s=0.0 if previous is None else round(pause, 3),
+                            tags={"conversation": conv, "turn": turn})
+            previous = len(items)
+            items.append(item)
+    return items

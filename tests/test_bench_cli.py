@@ -1,0 +1,90 @@
+"""`kvhandoff bench` as a user runs it: a real subprocess against a running worker (by URL) and against
+stacks it launches itself; its outputs must exist, parse, and agree with what the server counted."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+
+def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvhandoff.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def counter(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(m[1]) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def outputs(out: Path) -> tuple[list[dict], dict]:
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (out / "summary.md").read_text().startswith("# kvhandoff bench")
+    return rows, summary
+
+
+def test_bench_a_running_server_by_url(tiny_server, tmp_path):
+    url = tiny_server.url
+    tokens_before = counter(url, "kvhandoff_generation_tokens_total")
+    requests_before = counter(url, "kvhandoff_requests_total")
+    out = tmp_path / "grid"
+    r = bench("--target", url + "/v1", "--requests", "6", "--rates", "0.5,1", "--capacity", "4",
+              "--shortest", "40", "--longest", "300", "--output-tokens", "12", "--slo-ttft-ms", "10000",
+              "--save-workload", str(tmp_path / "w.jsonl"), "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows, summary = outputs(out)
+    assert [p["label"] for p in summary["points"]] == ["target@0.5x", "target@1x"]
+    assert [p["rate"] for p in summary["points"]] == [2.0, 4.0]
+    assert len(rows) == 12 and all(row["ok"] for row in rows)
+    assert all(row["output_tokens"] == 12 and row["ttft_ms"] > 0 and row["tpot_ms"] > 0 for row in rows)
+    assert summary["points"][0]["goodput"]["share"] == 1.0
+    meta = summary["meta"]
+    assert meta["model"] == "tiny" and meta["workload"] == "grid" and meta["git_commit"] and meta["seed"] == 0
+    # What the client counted is what the server counted (the calibration request is the 13th).
+    generated = counter(url, "kvhandoff_generation_tokens_total") - tokens_before
+    served = counter(url, "kvhandoff_requests_total") - requests_before
+    assert served == 13 and generated == 12 * 12 + 32
+    # The saved workload replays: same prompts, same answers (greedy).
+    replay = tmp_path / "replay"
+    r = bench("--target", url, "--workload", str(tmp_path / "w.jsonl"), "--out", str(replay))
+    assert r.returncode == 0, r.stderr[-3000:]
+    replayed, _ = outputs(replay)
+    assert [x["prompt_tokens"] for x in replayed] == [x["prompt_tokens"] for x in rows[:6]]
+    pool = tiny_server.health()
+    assert pool["num_free_blocks"] == pool["num_blocks"]
+
+
+def test_bench_says_what_is_wrong(tmp_path):
+    r = bench("--target", "http://127.0.0.1:9", "--out", str(tmp_path / "x"), timeout=60)
+    assert r.returncode != 0 and "does not answer GET /v1/models" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi", "max_tokens": 4}\n{"prompt": "x", "max_tokens": 0}\n')
+    r = bench("--target", "http://127.0.0.1:9", "--workload", str(bad), timeout=60)
+    assert r.returncode != 0 and "bad.jsonl:2" in r.stderr and "max_tokens" in r.stderr
+    r = bench("--launch", "colocated,sideways", timeout=60)
+    assert r.returncode != 0 and "sideways" in r.stderr
+
+
+def test_bench_launches_stacks_and_reports_phases(tmp_path):
+    out = tmp_path / "launch"
+    r = bench("--launch", "push,colocated", "--model", "tiny", "--workload", "multiturn", "--conversations", "2",
+              "--turns", "3", "--new-tokens", "60", "--answer-tokens", "8", "--think-s", "0.1",
+              "--launch-args", "--num-blocks 256 --bidirectional", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows, summary = outputs(out)
+    assert [p["label"] for p in summary["points"]] == ["colocated", "push"]      # colocated first
+    assert len(rows) == 12 and all(row["ok"] for row in rows)
+    push = [row for row in rows if row["mode"] == "push"]
+    assert all(row["handoff"]["mode"] == "push" for row in push)
+    assert {"prefill_compute", "transfer"} <= set(summary["points"][1]["phases_ms"])
+    # Later turns of a conversation carry its history, and bidirectional reuse finds it.
+    later = [row for row in push if row["turn"] > 1]
+    assert all(row["prompt_tokens"] > 60 for row in later)
+    assert any(row["handoff"]["reuse_decision"]["decision"] != "none" or row["handoff"].get("decode_cached_tokens")
+               for row in later)
+    assert (out / "logs" / "push.log").exists()
