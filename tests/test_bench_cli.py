@@ -43,6 +43,8 @@ def test_bench_a_running_server_by_url(tiny_server, tmp_path):
     assert len(rows) == 12 and all(row["ok"] for row in rows)
     assert all(row["output_tokens"] == 12 and row["ttft_ms"] > 0 and row["tpot_ms"] > 0 for row in rows)
     assert summary["points"][0]["goodput"]["share"] == 1.0
+    assert summary["meta"]["plots"] == ["ttft_tpot_vs_rate.png"]
+    assert (out / "ttft_tpot_vs_rate.png").read_bytes().startswith(b"\x89PNG")
     meta = summary["meta"]
     assert meta["model"] == "tiny" and meta["workload"] == "grid" and meta["git_commit"] and meta["seed"] == 0
     # What the client counted is what the server counted (the calibration request is the 13th).
@@ -88,3 +90,5 @@ def test_bench_launches_stacks_and_reports_phases(tmp_path):
     assert any(row["handoff"]["reuse_decision"]["decision"] != "none" or row["handoff"].get("decode_cached_tokens")
                for row in later)
     assert (out / "logs" / "push.log").exists()
+    assert summary["meta"]["plots"] == ["phases.png", "ttft_per_turn.png"]
+    assert all((out / name).stat().st_size > 1000 for name in summary["meta"]["plots"])

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from kvhandoff.bench import plots
 from kvhandoff.bench.client import RequestResult, chat_body, completion_body, percentile, stream_completion
 from kvhandoff.bench.meta import cpu_model, git_commit, log
 from kvhandoff.bench.workload import WorkItem
@@ -141,6 +142,8 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
         for s in phased:
             lines.append(f"| {s['label']} | " + " | ".join(fmt(s["phases_ms"].get(p, {}).get("p50")) for p in PHASES)
                          + " |")
+    if meta.get("plots"):
+        lines += ["", "Plots: " + ", ".join(f"[{name}]({name})" for name in meta["plots"])]
     slo = summaries[0]["goodput"] if summaries else {}
     lines += ["", f"Times in ms as the client saw them (TTFT: request sent -> first streamed token). Goodput: "
               f"share of requests meeting TTFT <= {slo.get('slo_ttft_ms')} ms and TPOT <= {slo.get('slo_tpot_ms')} ms "
@@ -150,13 +153,15 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
 
 def write_outputs(out: Path, meta: dict, points: list[Point], slo_ttft_ms, slo_tpot_ms) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    summaries = []
+    summaries, all_rows = [], []
     with open(out / "results.jsonl", "w") as f:
         for point in points:
             rows = [result_row(point, i, item, r) for i, (item, r) in enumerate(zip(point.items, point.results))]
             for row in rows:
                 f.write(json.dumps(row) + "\n")
             summaries.append(summarize(point, rows, slo_ttft_ms, slo_tpot_ms))
+            all_rows += rows
+    meta["plots"] = plots.draw(out, summaries, all_rows)
     (out / "summary.json").write_text(json.dumps({"meta": meta, "points": summaries}, indent=1))
     (out / "summary.md").write_text(markdown(meta, summaries))
     return summaries

@@ -1,0 +1,104 @@
+"""PNG plots of a `kvhandoff bench` run, drawn from its summary and rows (matplotlib, Agg: no display).
+
+- ttft_tpot_vs_rate.png: TTFT and TPOT (p50 solid, p90 dashed) against the arrival rate, one line per
+  mode (grid workloads: points with a rate).
+- phases.png: the handoff phases' p50 per point, stacked (what a request's time went to).
+- ttft_per_turn.png: median TTFT per turn index, one line per mode (multi-turn workloads).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
+
+
+def by_mode(summaries: list[dict]) -> dict[str, list[dict]]:
+    modes: dict[str, list[dict]] = defaultdict(list)
+    for s in summaries:
+        modes[s["mode"]].append(s)
+    return modes
+
+
+def rate_plot(summaries: list[dict], path: Path) -> bool:
+    rated = [s for s in summaries if s["rate"] is not None and s["ttft_ms"].get("n")]
+    if not rated:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, points in by_mode(rated).items():
+        points.sort(key=lambda s: s["rate"])
+        rates = [s["rate"] for s in points]
+        for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
+            line, = ax.plot(rates, [s[key]["p50"] for s in points], marker="o", label=f"{mode} p50")
+            ax.plot(rates, [s[key]["p90"] for s in points], linestyle="--", color=line.get_color(), alpha=0.7,
+                    label=f"{mode} p90")
+    for ax, title in zip(axes, ("time to first token (ms)", "time per output token (ms)")):
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def phase_plot(summaries: list[dict], path: Path) -> bool:
+    phased = [s for s in summaries if s["phases_ms"]]
+    if not phased:
+        return False
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(phased) + 1.8))
+    labels = [s["label"] for s in phased]
+    left = [0.0] * len(phased)
+    for phase in PHASES:
+        widths = [s["phases_ms"].get(phase, {}).get("p50") or 0.0 for s in phased]
+        ax.barh(labels, widths, left=left, label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_xlabel("ms (p50 of each phase)")
+    ax.set_title("where a request's time went (server-reported handoff phases)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, ncols=3, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def turn_plot(rows: list[dict], path: Path) -> bool:
+    turns: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if row.get("turn") is not None and row["ok"]:
+            turns[row["point"]][row["turn"]].append(row["ttft_ms"])
+    if not turns:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, per_turn in turns.items():
+        xs = sorted(per_turn)
+        ax.plot(xs, [statistics.median(per_turn[t]) for t in xs], marker="o", label=label)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("median TTFT (ms)")
+    ax.set_title("time to first token per turn")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def draw(out: Path, summaries: list[dict], rows: list[dict]) -> list[str]:
+    """Draw what the run has data for; returns the file names written."""
+    made = []
+    for name, ok in (("ttft_tpot_vs_rate.png", lambda p: rate_plot(summaries, p)),
+                     ("phases.png", lambda p: phase_plot(summaries, p)),
+                     ("ttft_per_turn.png", lambda p: turn_plot(rows, p))):
+        if ok(out / name):
+            made.append(name)
+    return made
