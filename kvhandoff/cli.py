@@ -261,11 +261,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvhandoff.bench.command import main
 
     if args.launch is not None:
+        from kvhandoff.bench.command import launch_spec
         args.launch = [m.strip() for m in args.launch.split(",") if m.strip()]
-        unknown = set(args.launch) - {"colocated", "pull", "pull-reader", "push", "push-layerwise"}
-        if unknown or not args.launch:
-            raise SystemExit(f"kvhandoff bench: --launch takes modes among colocated, pull, pull-reader, push, "
-                             f"push-layerwise; not {sorted(unknown) or args.launch}")
+        try:
+            for spec in args.launch:
+                launch_spec(spec)
+        except ValueError as exc:
+            raise SystemExit(f"kvhandoff bench: {exc}") from None
+        if not args.launch:
+            raise SystemExit("kvhandoff bench: --launch needs at least one mode")
         # Grid rates are fractions of the colocated capacity, measured on the first stack: colocated first.
         args.launch.sort(key=lambda m: m != "colocated")
     args.rates = [float(x) for x in args.rates.split(",") if x.strip()]
@@ -275,6 +279,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.workload == "grid" and args.longest is not None and (args.shortest or 16) > args.longest:
         raise SystemExit("kvhandoff bench: --shortest must not exceed --longest")
     return main(args)
+
+
+# The demo's sizes per model: (shortest, longest, output tokens, requests per rate) for the grid and
+# (new tokens per turn, answer tokens) for the conversations; SmolLM2's fit ~6 minutes on 2 cores.
+DEMO_SIZES = {"smollm2": ((128, 1024, 64, 5), (200, 32)), "tiny": ((32, 512, 32, 6), (100, 16))}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The whole story on this machine: colocated, pull, push and push-layerwise under a short grid
+    workload (Poisson load at 50% and 90% of the colocated capacity, prefix caching off), then
+    multi-turn conversations with and without bidirectional reuse; prints the comparison tables and
+    where the plots are."""
+    (shortest, longest, output, requests), (new_tokens, answer) = DEMO_SIZES.get(args.model, DEMO_SIZES["smollm2"])
+    runs = {
+        "grid": ["--launch", "colocated,pull,push,push-layerwise", "--workload", "grid", "--rates", "0.5,0.9",
+                 "--requests", str(requests), "--capacity-requests", "6", "--shortest", str(shortest),
+                 "--longest", str(longest), "--output-tokens", str(output), "--launch-args=--no-prefix-caching"],
+        "multiturn": ["--launch", "push,push+bidirectional", "--workload", "multiturn", "--conversations", "2",
+                      "--turns", "4", "--new-tokens", str(new_tokens), "--answer-tokens", str(answer),
+                      "--think-s", "1", "--launch-args=--prefill-args=--no-prefix-caching"],
+    }
+    for name, argv in runs.items():
+        print(f"kvhandoff demo: {name} ({args.model})", flush=True)
+        bench_args = build_parser().parse_args(["bench", "--model", args.model, "--out", str(args.out / name), *argv])
+        bench_args.extra = []
+        rc = cmd_bench(bench_args)
+        if rc:
+            return rc
+    plots = sorted(str(p) for p in args.out.glob("*/*.png"))
+    print("kvhandoff demo: done. Tables: " + ", ".join(str(args.out / n / "summary.md") for n in runs) +
+          "\nPlots: " + ", ".join(plots), flush=True)
+    return 0
 
 
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
@@ -360,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--target", metavar="URL", help="any OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     which.add_argument("--launch", metavar="MODE[,MODE...]",
                        help="start `kvhandoff up --mode MODE` for each mode in turn (colocated, pull, pull-reader, "
-                            "push, push-layerwise), measure, stop it")
+                            "push, push-layerwise; `+bidirectional` or `+retry-colocated` adds that flag, e.g. "
+                            "push+bidirectional), measure, stop it")
     p.add_argument("--workload", default="grid",
                    help="grid, multiturn, or a JSON-lines file to replay (see kvhandoff/bench/workload.py) "
                         "(default: %(default)s)")
@@ -398,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the generated workload (first point) as JSON lines, to replay with --workload FILE")
     g.add_argument("--out", type=Path, default=Path("bench-out"), help="(default: %(default)s)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="launch every mode, run a short grid and multi-turn workload, compare",
+                       description=cmd_demo.__doc__)
+    p.add_argument("--model", default="smollm2", help="smollm2 (about 6 minutes here) or tiny (seconds)")
+    p.add_argument("--out", type=Path, default=Path("demo-out"), help="(default: %(default)s)")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench-transfer", help="measure the KV transfer backends (GB/s and 4 KiB latency)",
                        description=cmd_bench_transfer.__doc__)

@@ -45,6 +45,8 @@ def test_bench_a_running_server_by_url(tiny_server, tmp_path):
     assert summary["points"][0]["goodput"]["share"] == 1.0
     assert summary["meta"]["plots"] == ["ttft_tpot_vs_rate.png"]
     assert (out / "ttft_tpot_vs_rate.png").read_bytes().startswith(b"\x89PNG")
+    server = summary["points"][0]["server"]          # what the target said it was running
+    assert server["block_size"] == 32 and server["model"] == "tiny" and "dtype" in server and server["prefix_caching"]
     meta = summary["meta"]
     assert meta["model"] == "tiny" and meta["workload"] == "grid" and meta["git_commit"] and meta["seed"] == 0
     # What the client counted is what the server counted (the calibration request is the 13th).
@@ -81,6 +83,8 @@ def test_bench_launches_stacks_and_reports_phases(tmp_path):
     rows, summary = outputs(out)
     assert [p["label"] for p in summary["points"]] == ["colocated", "push"]      # colocated first
     assert len(rows) == 12 and all(row["ok"] for row in rows)
+    workers = summary["points"][1]["server"]["workers"]
+    assert sorted(w["role"] for w in workers) == ["decode", "prefill"] and all(w["block_size"] == 32 for w in workers)
     push = [row for row in rows if row["mode"] == "push"]
     assert all(row["handoff"]["mode"] == "push" for row in push)
     assert {"prefill_compute", "transfer"} <= set(summary["points"][1]["phases_ms"])
@@ -92,3 +96,20 @@ def test_bench_launches_stacks_and_reports_phases(tmp_path):
     assert (out / "logs" / "push.log").exists()
     assert summary["meta"]["plots"] == ["phases.png", "ttft_per_turn.png"]
     assert all((out / name).stat().st_size > 1000 for name in summary["meta"]["plots"])
+
+
+def test_demo_runs_every_mode(tmp_path):
+    """The README's main command, on the tiny model: every mode measured, tables and plots written."""
+    out = tmp_path / "demo"
+    r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "demo", "--model", "tiny", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, grid = outputs(out / "grid")
+    assert [p["label"] for p in grid["points"]] == [f"{m}@{f}x" for m in ("colocated", "pull", "push", "push-layerwise")
+                                                    for f in ("0.5", "0.9")]
+    assert all(p["failed"] == 0 and p["completed"] == 6 for p in grid["points"])
+    _, multi = outputs(out / "multiturn")
+    assert [p["label"] for p in multi["points"]] == ["push", "push+bidirectional"]
+    assert "kvhandoff demo: done" in r.stdout and "ttft_per_turn.png" in r.stdout
+    assert sorted(p.name for p in out.glob("*/*.png")) == ["phases.png", "phases.png", "ttft_per_turn.png",
+                                                           "ttft_tpot_vs_rate.png"]

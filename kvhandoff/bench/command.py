@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import random
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,19 @@ from kvhandoff.bench.meta import log
 from kvhandoff.bench.stack import Stack
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
+MODES = ("colocated", "pull", "pull-reader", "push", "push-layerwise")
+LAUNCH_FLAGS = ("bidirectional", "retry-colocated")
+
+
+def launch_spec(spec: str) -> tuple[str, list[str]]:
+    """'push+bidirectional' -> ('push', ['--bidirectional']): a mode and `kvhandoff up` flags."""
+    mode, *flags = spec.split("+")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} in --launch {spec!r}; modes: {', '.join(MODES)}")
+    bad = [f for f in flags if f not in LAUNCH_FLAGS]
+    if bad:
+        raise ValueError(f"unknown flag {bad[0]!r} in --launch {spec!r}; flags: {', '.join(LAUNCH_FLAGS)}")
+    return mode, [f"--{f}" for f in flags]
 
 
 class BenchError(Exception):
@@ -84,6 +98,10 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
             log(f"workload saved to {args.save_workload}")
         label = mode if load is None else f"{mode}@{load[0]:g}x"
         point = Point(label, mode, url, rate, items)
+        try:        # what the target says it runs (ours: model, dtype, block size, prefix caching, roles)
+            point.server = (await client.get(url + "/health", timeout=10.0)).json()
+        except (httpx.HTTPError, ValueError):
+            point.server = None
         log(f"{label}: {len(items)} requests")
         await run_point(client, point, model)
         points.append(point)
@@ -91,6 +109,7 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
 
 
 async def amain(args, stacks: list[Stack]) -> int:
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
     args.out.mkdir(parents=True, exist_ok=True)
     points: list[Point] = []
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=None)) as client:
@@ -103,7 +122,8 @@ async def amain(args, stacks: list[Stack]) -> int:
         for mode, url in targets:
             stack = None
             if url is None:
-                stack = Stack(mode, mode, args.cores, ["--model", args.model, *args.launch_args],
+                base, flags = launch_spec(mode)
+                stack = Stack(mode, base, args.cores, ["--model", args.model, *flags, *args.launch_args],
                               args.out / "logs" / f"{mode}.log")
                 stacks.append(stack)
                 stack.start()
@@ -135,7 +155,7 @@ async def amain(args, stacks: list[Stack]) -> int:
             finally:
                 if stack is not None:
                     stack.stop()
-    meta = run_meta(args, model or "?", args.target or f"kvhandoff up --mode {','.join(args.launch)}")
+    meta = run_meta(args, model or "?", args.target or f"kvhandoff up --mode {','.join(args.launch)}", started)
     meta["capacity_req_s"] = cap
     summaries = write_outputs(args.out, meta, points, args.slo_ttft_ms, args.slo_tpot_ms)
     print((args.out / "summary.md").read_text(), flush=True)

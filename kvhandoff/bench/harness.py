@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from tqdm import tqdm
 
 from kvhandoff.bench import plots
 from kvhandoff.bench.client import RequestResult, chat_body, completion_body, percentile, stream_completion
@@ -40,6 +41,7 @@ class Point:
     items: list[WorkItem]
     results: list[RequestResult] = field(default_factory=list)
     wall_s: float = 0.0
+    server: dict | None = None      # the target's /health when the point started (what it was running)
 
 
 async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None:
@@ -49,6 +51,7 @@ async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None
     histories: list[list[dict] | None] = [None] * len(point.items)
     t0 = time.perf_counter()
     done = 0
+    bar = tqdm(total=len(point.items), desc=point.label, unit="req", file=sys.stderr, disable=None, leave=True)
 
     async def one(index: int, item: WorkItem) -> None:
         nonlocal done
@@ -71,11 +74,17 @@ async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None
         results[index] = result
         answered[index].set()
         done += 1
-        if done == len(point.items) or done % max(1, len(point.items) // 10) == 0:
-            failed = sum(1 for r in results if r is not None and not r.ok)
+        failed = sum(1 for r in results if r is not None and not r.ok)
+        bar.update(1)
+        if failed:
+            bar.set_postfix(failed=failed)
+        if bar.disable and (done == len(point.items) or done % max(1, len(point.items) // 10) == 0):
             log(f"  {point.label}: {done}/{len(point.items)} done" + (f", {failed} failed" if failed else ""))
 
-    await asyncio.gather(*(one(i, item) for i, item in enumerate(point.items)))
+    try:
+        await asyncio.gather(*(one(i, item) for i, item in enumerate(point.items)))
+    finally:
+        bar.close()
     point.wall_s = time.perf_counter() - t0
     point.results = [r for r in results if r is not None]
 
@@ -114,6 +123,7 @@ def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpo
                     "share": len(good) / len(rows) if rows else None,
                     "req_s": len(good) / point.wall_s if point.wall_s else None},
         "phases_ms": {p: s for p, s in phases.items() if s["n"]},
+        "server": point.server,
     }
 
 
@@ -167,7 +177,7 @@ def write_outputs(out: Path, meta: dict, points: list[Point], slo_ttft_ms, slo_t
     return summaries
 
 
-def run_meta(args, model: str, target: str) -> dict:
+def run_meta(args, model: str, target: str, started: str) -> dict:
     from importlib.metadata import PackageNotFoundError, version
     try:
         kv_version = version("kvhandoff")
@@ -175,6 +185,6 @@ def run_meta(args, model: str, target: str) -> dict:
         kv_version = "unknown"
     return {"workload": args.workload, "target": target, "model": model, "seed": args.seed,
             "kvhandoff_version": kv_version, "git_commit": git_commit(), "cpu": cpu_model(),
-            "cores": len(os.sched_getaffinity(0)), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "cores": len(os.sched_getaffinity(0)), "started": started,
             "argv": sys.argv[1:], "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                                              if k not in ("func", "extra")}}

@@ -116,7 +116,8 @@ class EngineLoop:
                 "num_pinned_handoffs": len(engine.pinned), "num_quarantined": len(engine.quarantine),
                 "num_retained": len(engine.retained),
                 "num_retained_blocks": sum(len(e.block_ids) for e in list(engine.retained.values())),
-                "block_bytes": engine.block_bytes,
+                "block_bytes": engine.block_bytes, "dtype": str(engine.dtype).removeprefix("torch."),
+                "prefix_caching": engine.pool.enable_prefix_caching,
                 "num_preemptions": engine.scheduler.num_preemptions,
                 "prefix_cache_hits": engine.pool.hits, "prefix_cache_queries": engine.pool.queries}
 
