@@ -459,8 +459,9 @@ class Connector:
             except BaseException:
                 self.loop.call(lambda: self.engine.release_pinned(pin_id))
                 raise
-        except (TransferError, OSError, TimeoutError) as exc:
-            raise HandoffError(f"reverse read from {peer} failed: {exc}", 502) from None
+        except (TransferError, OSError, TimeoutError, ValueError, TypeError, AssertionError) as exc:
+            # (the last three: a lease naming blocks or checksums that make no sense here)
+            raise HandoffError(f"reverse read from {peer} failed: {exc!r}", 502) from None
         finally:
             self._notify(peer, {"t": "unlease", "id": lease["lease_id"]})
         return pin_id, handle.nbytes
