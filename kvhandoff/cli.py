@@ -143,7 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loop = EngineLoop(engine)
     loop.start()
     try:
-        app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model))
+        max_in_flight = args.max_in_flight if args.max_in_flight > 0 else None
+        app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model), max_in_flight, args.queue_wait_s)
         if agent is not None:
             from kvhandoff.handoff.connector import Connector, HandoffConfig
             from kvhandoff.handoff.retention import RetentionConfig
@@ -341,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_http_args(p, port=8000)
     add_worker_args(p)
+    g = p.add_argument_group("backpressure")
+    g.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests held at once, running or queued; one more waits up to --queue-wait-s for a "
+                        "slot, then gets 429 with Retry-After; 0 = unbounded (default: %(default)s)")
+    g.add_argument("--queue-wait-s", type=float, default=10.0,
+                   help="how long a request over --max-in-flight waits for a slot (default: %(default)s)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("router", help="the OpenAI-compatible front over prefill and decode workers",

@@ -255,6 +255,11 @@ class Connector:
                 self._notify(job.peer, {"t": "failed", "id": handoff_id, "reason": reason})
             job.finish()
 
+    def prefill_refused(self, handoff_id: str, reason: str) -> None:
+        """The prefill leg was refused before it started (busy, invalid): the push registration, if it
+        came or comes, is answered with `failed` so the decode side frees its blocks now."""
+        self._prefill_failed(handoff_id, f"the prefill worker refused the request: {reason}")
+
     def _prefilled(self, handoff_id: str, out: RequestOutput) -> None:
         with self._lock:
             job = self.jobs.get(handoff_id)

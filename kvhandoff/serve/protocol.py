@@ -21,10 +21,15 @@ class APIError(Exception):
     """An error the client caused (4xx) or should hear about, in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.retry_after = retry_after      # seconds, sent as the Retry-After header (429, 503)
+
+    @property
+    def headers(self) -> dict | None:
+        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)

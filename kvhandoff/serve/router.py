@@ -103,9 +103,9 @@ class Worker:
 class Relay(Exception):
     """A worker's own error answer (4xx/5xx), relayed to the client with its status and body."""
 
-    def __init__(self, worker: Worker, status: int, body: dict):
+    def __init__(self, worker: Worker, status: int, body: dict, retry_after: str | None = None):
         super().__init__(f"{worker.role} worker {worker.url} answered {status}")
-        self.worker, self.status, self.body = worker, status, body
+        self.worker, self.status, self.body, self.retry_after = worker, status, body, retry_after
 
 
 @dataclass
@@ -259,7 +259,7 @@ class Router:
         if resp.status_code != 200:
             body = await error_json(worker, resp)
             ctx.open_legs.discard(worker.role)            # it answered: it holds nothing for us
-            raise Relay(worker, resp.status_code, body)
+            raise Relay(worker, resp.status_code, body, resp.headers.get("retry-after"))
         return resp
 
     async def read_json(self, worker: Worker, resp: httpx.Response) -> dict:
@@ -593,7 +593,8 @@ class Router:
                 return work.result()
         if isinstance(err, Relay):
             ctx.status = str(err.status)
-            return JSONResponse(err.body, status_code=err.status)
+            headers = {"Retry-After": err.retry_after} if err.retry_after else None   # a worker's backpressure
+            return JSONResponse(err.body, status_code=err.status, headers=headers)
         if not isinstance(err, P.APIError):
             log.error("handoff %s failed in the router", ctx.handoff_id, exc_info=err)
             err = P.APIError(500, "internal router error; see the router log")

@@ -13,6 +13,7 @@ traceback goes to the server log only.
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import logging
 from dataclasses import dataclass, field
@@ -96,11 +97,46 @@ class RequestStream:
 class Server:
     """Request handling behind the routes: validation, tokenization, engine I/O, response shapes."""
 
-    def __init__(self, loop: "EngineLoop", info: EngineInfo):
+    def __init__(self, loop: "EngineLoop", info: EngineInfo, max_in_flight: int | None = None,
+                 queue_wait_s: float = 10.0):
         self.loop, self.info = loop, info
         self.metrics = Metrics()
         self.active: dict[str, RequestStream] = {}
         self.handoff = None     # kvhandoff.serve.worker.WorkerHandoff on a prefill or decode worker
+        # Backpressure: at most max_in_flight requests held (running or queued for the engine); one
+        # more waits up to queue_wait_s for a slot, then gets 429 with Retry-After. None: unbounded.
+        self.max_in_flight, self.queue_wait_s = max_in_flight, queue_wait_s
+        self.in_flight = 0
+
+    async def admit(self) -> None:
+        """Take a slot (asyncio thread only), waiting a bounded time for one; 429 if none frees up."""
+        if self.max_in_flight is not None:
+            deadline = time.monotonic() + self.queue_wait_s
+            while self.in_flight >= self.max_in_flight:
+                if time.monotonic() >= deadline:
+                    raise P.APIError(429, f"the server is at capacity ({self.in_flight} requests in flight, its limit "
+                                     f"--max-in-flight); retry later", type="server_busy", code="server_busy",
+                                     retry_after=max(1, round(self.queue_wait_s)))
+                await asyncio.sleep(0.02)
+        self.in_flight += 1
+
+    async def prefill(self, kv, request: Request, prompt_ids: list[int], params: SamplingParams) -> Response:
+        """Prefill side of a handoff: it holds a slot like any request, until its KV is handed over."""
+        try:
+            await self.admit()
+        except P.APIError as exc:
+            # Refused before it started: a decode worker that registered (push) hears it at once, and
+            # frees the blocks it reserved, instead of waiting out the registration's time to live.
+            self.handoff.connector.prefill_refused(kv.handoff_id, exc.message)
+            raise
+        try:
+            return await self.handoff.prefill(kv, request, prompt_ids, params)
+        finally:
+            self.leave()
+
+    def leave(self) -> None:
+        assert self.in_flight > 0
+        self.in_flight -= 1
 
     # -- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -152,10 +188,15 @@ class Server:
         def on_finished(out: RequestOutput) -> None:
             self.metrics.finished(endpoint, out)
         stream = RequestStream(self.loop, rid, on_finished)
-        if kv is None:
-            stream.submit(prompt_ids, params)
-        else:           # decode side of a handoff: the KV comes from a prefill worker
-            await self.handoff.submit_decode(kv, stream, prompt_ids, params)
+        await self.admit()
+        try:
+            if kv is None:
+                stream.submit(prompt_ids, params)
+            else:           # decode side of a handoff: the KV comes from a prefill worker
+                await self.handoff.submit_decode(kv, stream, prompt_ids, params)
+        except BaseException:
+            self.leave()
+            raise
         self.active[rid] = stream
         return stream
 
@@ -172,7 +213,8 @@ class Server:
 
     def release(self, stream: RequestStream) -> None:
         stream.close()
-        self.active.pop(stream.request_id, None)
+        if self.active.pop(stream.request_id, None) is not None:
+            self.leave()
 
     def abort_all(self) -> None:
         """Shutdown: end every in-flight generation so connections drain quickly."""
@@ -234,7 +276,7 @@ class Server:
                                        "prompt")
         params = req.sampling_params(max_tokens)
         if kv is not None and kv.role == "prefill":
-            return await self.handoff.prefill(kv, request, prompt_ids, params)
+            return await self.prefill(kv, request, prompt_ids, params)
         rid, created, model = (kv.handoff_id if kv else P.new_id("cmpl")), P.now(), self.info.served_name
         stream = await self.open_stream(COMPLETIONS, rid, prompt_ids, params, kv)
         if req.stream:
@@ -260,7 +302,7 @@ class Server:
         max_tokens = self.check_length(len(prompt_ids), req.requested_max_tokens, "messages", max_field)
         params = req.sampling_params(max_tokens)
         if kv is not None and kv.role == "prefill":
-            return await self.handoff.prefill(kv, request, prompt_ids, params)
+            return await self.prefill(kv, request, prompt_ids, params)
         rid, created, model = (kv.handoff_id if kv else P.new_id("chatcmpl")), P.now(), self.info.served_name
         stream = await self.open_stream(CHAT, rid, prompt_ids, params, kv)
         if req.stream:
@@ -390,14 +432,15 @@ def endpoint_label(request: Request) -> str:
     return path if path in (COMPLETIONS, CHAT) else "other"
 
 
-def build_app(loop: "EngineLoop", engine_info: EngineInfo) -> FastAPI:
+def build_app(loop: "EngineLoop", engine_info: EngineInfo, max_in_flight: int | None = None,
+              queue_wait_s: float = 10.0) -> FastAPI:
     app = FastAPI(title="kvhandoff", version="0.1.0")
-    srv = Server(loop, engine_info)
+    srv = Server(loop, engine_info, max_in_flight, queue_wait_s)
     app.state.server = srv
 
     def error_response(request: Request, err: P.APIError) -> JSONResponse:
         srv.metrics.rejected(endpoint_label(request), err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(P.APIError)
     async def on_api_error(request: Request, exc: P.APIError):

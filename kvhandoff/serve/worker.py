@@ -114,6 +114,7 @@ class WorkerHandoff:
         except ValueError as exc:
             if preloaded is not None:
                 self.connector.loop.call(lambda: self.connector.engine.release_pinned(preloaded[0]))
+            self.connector.prefill_refused(kv.handoff_id, str(exc))
             raise P.APIError(400, str(exc)) from None
         try:
             out = await done
