@@ -82,6 +82,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="push: seconds either side waits for the other (default: %(default)s)")
     g.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="decode side, when KV cannot be loaded or fails verification (default: %(default)s)")
+    g.add_argument("--inject-faults", default=None, metavar="SPEC",
+                   help="TESTING ONLY: make this worker's transfers fail or notifications vanish, e.g. "
+                        "read_fail, write_fail, drop=done+release, delay_ms=500 (kvhandoff/handoff/faults.py)")
     g = p.add_argument_group("bidirectional multi-turn reuse (with the router's --bidirectional)")
     g.add_argument("--bidirectional", action="store_true",
                    help="decode: keep each finished turn's KV for the conversation's next turn; prefill: read "
@@ -147,13 +150,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model), max_in_flight, args.queue_wait_s)
         if agent is not None:
             from kvhandoff.handoff.connector import Connector, HandoffConfig
+            from kvhandoff.handoff.faults import Faults
             from kvhandoff.handoff.retention import RetentionConfig
             from kvhandoff.handoff.reuse import ReuseConfig
             from kvhandoff.serve.worker import WorkerHandoff, attach_worker_routes
+            try:
+                faults = Faults.parse(args.inject_faults)
+            except ValueError as exc:
+                raise SystemExit(f"kvhandoff serve: --inject-faults: {exc}") from None
+            if faults.any:
+                log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)
             handoff_cfg = HandoffConfig(args.lease_s, args.kv_timeout_s, args.kv_load_failure_policy,
                                         bidirectional=args.bidirectional,
                                         retention=RetentionConfig(args.retention_ttl, args.retention_max_bytes),
-                                        reuse=ReuseConfig(args.reuse_min_tokens, args.reuse_policy))
+                                        reuse=ReuseConfig(args.reuse_min_tokens, args.reuse_policy),
+                                        faults=faults)
             connector = Connector(loop, agent, handoff_cfg, worker_name)
             attach_worker_routes(app, WorkerHandoff(app.state.server, connector, args.role, secret))
 

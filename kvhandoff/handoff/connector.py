@@ -29,6 +29,7 @@ from typing import Callable
 
 from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestOutput, SamplingParams
+from kvhandoff.handoff.faults import Faults
 from kvhandoff.handoff.kv_layout import KVLayout, block_checksums
 from kvhandoff.handoff.leases import LeaseTable
 from kvhandoff.handoff.retention import Retention, RetentionConfig
@@ -60,6 +61,7 @@ class HandoffConfig:
     bidirectional: bool = False         # keep finished turns' KV (decode) and read it back (prefill)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
+    faults: Faults = field(default_factory=Faults)       # tests only: kvhandoff serve --inject-faults
 
     def __post_init__(self):
         assert self.failure_policy in ("recompute", "fail"), self.failure_policy
@@ -191,6 +193,14 @@ class Connector:
 
     def _notify(self, peer: str | None, message: dict) -> None:
         if peer is None:
+            return
+        faults = self.cfg.faults
+        if message.get("t") in faults.drop:
+            log.warning("fault injection: %s notification for %s dropped", message.get("t"), message.get("id"))
+            return
+        if faults.delay_ms > 0 and not message.get("delayed"):
+            log.warning("fault injection: %s notification delayed %.0f ms", message.get("t"), faults.delay_ms)
+            threading.Timer(faults.delay_ms / 1000, self._notify, (peer, {**message, "delayed": True})).start()
             return
         try:
             self.agent.send_notification(peer, json.dumps(message).encode())
@@ -361,11 +371,16 @@ class Connector:
             checksums = block_checksums(self.kv, out.kv_block_ids[skip:])    # of what the decode side gets
             done = json.dumps({"t": "done", "id": handoff_id, "checksums": checksums,
                                "first_token": out.new_token_ids[0]}).encode()
+            if self.cfg.faults.write_fail:
+                raise TransferError("injected WRITE failure (--inject-faults write_fail)")
+            if "done" in self.cfg.faults.drop:
+                log.warning("fault injection: done notification for %s dropped", handoff_id)
+                done = b""
             if local:
                 handle = self.agent.write(job.peer, self.layout.block_descs(local), self.layout.block_descs(remote),
                                           notify=done).wait(self.cfg.kv_timeout_s)
                 job.bytes_sent += handle.nbytes
-            else:
+            elif done:
                 self.agent.send_notification(job.peer, done)
         except (TransferError, HandoffError, OSError) as exc:
             job.failed = f"KV write to {reg.get('decode_worker', job.peer)} failed: {exc}"
@@ -506,6 +521,8 @@ class Connector:
             try:
                 if handle is None:
                     handle = self._post_read(incoming)
+                if self.cfg.faults.read_fail:
+                    raise TransferError("injected READ failure (--inject-faults read_fail)")
                 handle.wait(self.cfg.kv_timeout_s)
                 incoming.bytes = handle.nbytes
                 incoming.transfer_s = time.monotonic() - incoming.transfer_s
