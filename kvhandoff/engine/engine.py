@@ -63,7 +63,7 @@ class LLMEngine:
         self.block_bytes = kv_block_bytes(self.model_config, cfg.block_size, self.dtype)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // self.block_bytes)
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg, self.pool, reclaim=self.reclaim)
+        self.scheduler = Scheduler(cfg, self.pool, make_room=self.make_room)
         kv_memory = None if kv_allocator is None else kv_allocator(num_blocks * self.block_bytes)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size, kv_memory)
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
@@ -160,9 +160,7 @@ class LLMEngine:
         # history) need not travel; at least the last block always does.
         local = self.pool.match_prefix(hash_chain(prompt_token_ids[:num_kv_tokens - 1], self.block_size))
         need = self.scheduler.blocks_for(num_kv_tokens) - len(local)
-        if need > self.pool.num_free:
-            self.reclaim(need)
-        if need > self.pool.num_free:
+        if not self.make_room(need):
             self.pool.free_blocks(local)
             return None
         try:
@@ -234,9 +232,7 @@ class LLMEngine:
         add_request(preloaded=...) takes them or release_pinned() returns them; None if the pool
         cannot spare them (retained history is evicted first)."""
         assert pin_id not in self.pinned and num_blocks > 0
-        if num_blocks > self.pool.num_free:
-            self.reclaim(num_blocks)
-        if num_blocks > self.pool.num_free:
+        if not self.make_room(num_blocks):
             return None
         self.pinned[pin_id] = self.pool.allocate(num_blocks)
         return list(self.pinned[pin_id])
@@ -259,16 +255,17 @@ class LLMEngine:
         self.pool.free_blocks(entry.block_ids)
         return True
 
-    def reclaim(self, num_blocks: int) -> None:
-        """Evict retained KV, least recently used first, until `num_blocks` blocks are free (or
-        nothing evictable is left: blocks under a reverse read stay)."""
+    def make_room(self, num_blocks: int) -> bool:
+        """Are `num_blocks` blocks free, once retained KV has been evicted for them if need be (least
+        recently used first; blocks under a reverse read stay)?"""
         for retention_id in list(self.retained):
             if self.pool.num_free >= num_blocks:
-                return
+                break
             if self.retained[retention_id].readers == 0:
                 self.release_retained(retention_id)
                 if self.on_evict is not None:
                     self.on_evict(retention_id)
+        return self.pool.num_free >= num_blocks
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)

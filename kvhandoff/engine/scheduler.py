@@ -31,10 +31,11 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, pool: BlockPool, reclaim: Callable[[int], None] | None = None):
-        """`reclaim(n)` may free blocks held for later (retained history) until n are free."""
+    def __init__(self, cfg: EngineConfig, pool: BlockPool, make_room: Callable[[int], bool] | None = None):
+        """`make_room(n)`: are n blocks free, once blocks held for later (retained history) have been
+        freed for them if need be?"""
         self.cfg, self.pool = cfg, pool
-        self.reclaim = reclaim or (lambda num_blocks: None)
+        self.make_room = make_room or (lambda num_blocks: num_blocks <= pool.num_free)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
@@ -78,9 +79,7 @@ class Scheduler:
                 self._match_prefix(request)
             num_new = min(request.num_target_tokens - request.num_computed_tokens, budget)
             need = self.blocks_for(request.num_computed_tokens + num_new) - len(request.block_table)
-            if need > self.pool.num_free:
-                self.reclaim(need)
-            if need > self.pool.num_free:
+            if not self.make_room(need):
                 self._release(request)      # admission control: wait until blocks free up
                 break
             request.block_table += self.pool.allocate(need)
@@ -94,8 +93,7 @@ class Scheduler:
     def _grow(self, request: Request, num_new: int) -> bool:
         """Give `request` the blocks for `num_new` more tokens, preempting newer requests if needed."""
         need = self.blocks_for(request.num_computed_tokens + num_new) - len(request.block_table)
-        if need > self.pool.num_free:
-            self.reclaim(need)
+        self.make_room(need)
         while need > self.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
