@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import signal
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from kvhandoff.bench import workload as W
 from kvhandoff.bench.client import completion_body, random_text, stream_completion
 from kvhandoff.bench.harness import Point, run_meta, run_point, write_outputs
 from kvhandoff.bench.meta import log
-from kvhandoff.bench.stack import Stack
+from kvhandoff.bench.stack import Stack, stop_on_signal
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
 MODES = ("colocated", "pull", "pull-reader", "push", "push-layerwise")
@@ -140,9 +139,8 @@ async def amain(args, stacks: list[Stack]) -> int:
                 if args.workload == "grid":
                     if args.longest is None:
                         args.longest = auto_longest(cal, args.output_tokens, card.get("max_model_len") or 4096)
-                        args.shortest = args.shortest or max(16, args.longest // 16)
-                        log(f"prompt lengths {args.shortest}-{args.longest} tokens (prefill of the longest ~ "
-                            f"{args.output_tokens} decode steps here)")
+                        log(f"longest prompt {args.longest} tokens (its prefill ~ {args.output_tokens} decode steps "
+                            "here)")
                     args.shortest = args.shortest or max(16, args.longest // 16)
                     if cap is None:
                         log(f"measuring the capacity of {mode} ({args.capacity_requests}-request burst)")
@@ -174,19 +172,11 @@ def main(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SystemExit(f"kvhandoff bench: {exc}") from None
     stacks: list[Stack] = []
-
-    def interrupted(signum, frame):
-        log(f"signal {signum}: stopping")
-        for stack in stacks:
-            stack.stop()
-        raise SystemExit(130)
-    signal.signal(signal.SIGTERM, interrupted)
+    stop_on_signal(lambda: stacks)
     try:
         return asyncio.run(amain(args, stacks))
     except BenchError as exc:
         raise SystemExit(f"kvhandoff bench: {exc}") from None
-    except KeyboardInterrupt:
-        return 130
     finally:
         for stack in stacks:
             stack.stop()

@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -39,11 +38,17 @@ from pathlib import Path
 
 import httpx
 
-from kvhandoff.bench.client import RequestResult, completion_body, percentile, random_text, stream_completion
-from kvhandoff.bench.meta import cpu_model, git_commit, log
-from kvhandoff.bench.stack import Stack, core_wait_ns
+from kvhandoff.bench.client import (
+    PHASES,
+    RequestResult,
+    completion_body,
+    percentile,
+    random_text,
+    stream_completion,
+)
+from kvhandoff.bench.meta import cpu_model, fmt, git_commit, log
+from kvhandoff.bench.stack import Stack, core_wait_ns, stop_on_signal
 
-PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
 DISAGG_MODES = ("pull", "pull-reader", "push", "push-layerwise")
 BASELINE_1CORE, BASELINE_2CORE = "colocated-1core", "colocated-2core"
 # Goals of issue 4 (isolated requests).
@@ -304,10 +309,6 @@ def med(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def fmt(value, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_isolated(summary: dict, goals: list[dict]) -> None:
     print("\nIsolated requests (one at a time): medians; x = median of per-round ratios to colocated-1core")
     head = (f"{'prompt':>6} {'stack':<16} {'TTFT ms':>8} {'x':>5} {'TPOT ms':>7} {'x':>5} "
@@ -429,16 +430,7 @@ async def amain(bench: Bench) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
-
-    def interrupted(signum, frame):
-        # Cancelling the event loop's task does not reliably get through httpx's streams, so stop
-        # the stacks from here and leave; the measurements of an interrupted run are not written.
-        log(f"signal {signum}: stopping the stacks")
-        for stack in bench.stacks.values():
-            stack.stop()
-        os._exit(130)
-    signal.signal(signal.SIGINT, interrupted)
-    signal.signal(signal.SIGTERM, interrupted)
+    stop_on_signal(lambda: bench.stacks.values())
     asyncio.run(amain(bench))
     return 0
 

@@ -30,6 +30,7 @@ Progress goes to stderr, the table to stdout, every figure to --json.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import inspect
 import itertools
@@ -202,32 +203,27 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     single, batch = [prompts[0]], prompts[:C]
 
     # Each measurement returns (value in its unit, greedy output of the first sequence).
+    def decode_measures(decode) -> dict:
+        """TPOT of one stream and aggregate tokens/s of the batch, for `decode(prompts, n)` of either side."""
+        def tpot_ms():
+            _, decode_s, out = decode(single, D)
+            return decode_s * 1e3 / (D - 1), out[0]
+
+        def concurrent_tps():
+            _, decode_s, out = decode(batch, D)
+            return C * (D - 1) / decode_s, out[0]
+        return {"tpot": tpot_ms, "concurrent": concurrent_tps}
+
     def ours_prefill_ms():
         s, out = ours_prefill(engine, single[0])
         return s * 1e3, out
-
-    def ours_tpot_ms():
-        _, decode_s, out = ours_decode(engine, single, D)
-        return decode_s * 1e3 / (D - 1), out[0]
-
-    def ours_concurrent_tps():
-        _, decode_s, out = ours_decode(engine, batch, D)
-        return C * (D - 1) / decode_s, out[0]
 
     def hf_prefill_ms():
         prefill_s, _, out = hf_decode(hf, single, 1)
         return prefill_s * 1e3, out[0]
 
-    def hf_tpot_ms():
-        _, decode_s, out = hf_decode(hf, single, D)
-        return decode_s * 1e3 / (D - 1), out[0]
-
-    def hf_concurrent_tps():
-        _, decode_s, out = hf_decode(hf, batch, D)
-        return C * (D - 1) / decode_s, out[0]
-
-    ours_fns = {"prefill": ours_prefill_ms, "tpot": ours_tpot_ms, "concurrent": ours_concurrent_tps}
-    hf_fns = {"prefill": hf_prefill_ms, "tpot": hf_tpot_ms, "concurrent": hf_concurrent_tps}
+    ours_fns = {"prefill": ours_prefill_ms, **decode_measures(functools.partial(ours_decode, engine))}
+    hf_fns = {"prefill": hf_prefill_ms, **decode_measures(functools.partial(hf_decode, hf))}
     units = {"prefill": "ms", "tpot": "ms", "concurrent": "tok/s"}
     records = {k: new_record(units[k], sides) for k in units}
 

@@ -24,11 +24,16 @@ import httpx
 from tqdm import tqdm
 
 from kvhandoff.bench import plots
-from kvhandoff.bench.client import RequestResult, chat_body, completion_body, percentile, stream_completion
-from kvhandoff.bench.meta import cpu_model, git_commit, log
+from kvhandoff.bench.client import (
+    PHASES,
+    RequestResult,
+    chat_body,
+    completion_body,
+    percentile,
+    stream_completion,
+)
+from kvhandoff.bench.meta import cpu_model, fmt, git_commit, log
 from kvhandoff.bench.workload import WorkItem
-
-PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
 
 
 @dataclass
@@ -125,10 +130,6 @@ def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpo
         "phases_ms": {p: s for p, s in phases.items() if s["n"]},
         "server": point.server,
     }
-
-
-def fmt(value, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def markdown(meta: dict, summaries: list[dict]) -> str:

@@ -13,6 +13,11 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def fmt(value, spec: str = ".1f") -> str:
+    """A number for a table, '-' for a missing one."""
+    return "-" if value is None else format(value, spec)
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

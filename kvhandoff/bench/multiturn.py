@@ -21,17 +21,21 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
 import time
 from pathlib import Path
 
 import httpx
 
-from kvhandoff.bench.client import RequestResult, completion_body, random_text, stream_completion
+from kvhandoff.bench.client import (
+    RequestResult,
+    completion_body,
+    random_text,
+    stream_completion,
+)
 from kvhandoff.bench.disagg import start_stacks
 from kvhandoff.bench.meta import cpu_model, git_commit, log
-from kvhandoff.bench.stack import Stack
+from kvhandoff.bench.stack import Stack, stop_on_signal
 
 GOAL_LATER_TURNS_X = 1.6        # TTFT off / on at the later turns (history >= 1,500 tokens)
 GOAL_NO_TURN_SLOWER = 1.02      # no turn's TTFT on may exceed 1.02x off
@@ -213,14 +217,7 @@ async def amain(args, registry: list[Stack]) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     registry: list[Stack] = []
-
-    def interrupted(signum, frame):
-        log(f"signal {signum}: stopping the stacks")
-        for stack in registry:
-            stack.stop()
-        os._exit(130)
-    signal.signal(signal.SIGINT, interrupted)
-    signal.signal(signal.SIGTERM, interrupted)
+    stop_on_signal(lambda: registry)
     asyncio.run(amain(args, registry))
     return 0
 

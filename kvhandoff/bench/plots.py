@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
+from kvhandoff.bench.client import PHASES
 
 
 def by_mode(summaries: list[dict]) -> dict[str, list[dict]]:

@@ -13,9 +13,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 import httpx
 
+from kvhandoff.bench.meta import log
 from kvhandoff.serve.launch import die_with_parent, free_port
 
 
@@ -81,6 +83,19 @@ class Stack:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def stop_on_signal(stacks: Callable[[], Iterable[Stack]]) -> None:
+    """On SIGINT or SIGTERM, stop every stack `stacks()` names and exit 130 at once. Cancelling the
+    event loop's task does not reliably get through httpx's streams, so the handler does not rely on
+    it; an interrupted run writes no results."""
+    def interrupted(signum, frame):
+        log(f"signal {signum}: stopping the stacks")
+        for stack in stacks():
+            stack.stop()
+        os._exit(130)
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
 
 
 def core_wait_ns(pids: list[int]) -> int:
