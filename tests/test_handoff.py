@@ -239,3 +239,30 @@ def test_router_reported_prefill_failure_acts_at_once(workers, reference):
     assert again.json() == {"failed": False}
     h = wait_baseline(decode)
     assert h["num_free_blocks"] == h["num_blocks"] and h["num_quarantined"] == 0
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_cancel_that_overtakes_the_request_is_honoured(workers, mode):
+    """The router's /kv/cancel can reach a worker before the request it cancels (one still queued for
+    admission, or in transit): the request must then be refused, not computed and its KV pinned for
+    nobody until a watchdog fires (CI once saw 2 prefill blocks pinned this way after a 429 flood)."""
+    for role in ("prefill", "decode"):
+        server = workers[role]
+        handoff_id = f"cancelled-early-{mode}-{role}"
+        r = httpx.post(f"{server.url}/kv/cancel", json={"handoff_id": handoff_id}, headers=HEADERS, timeout=10)
+        assert r.status_code == 200
+        peer = {"decode_url": workers["decode"].url} if role == "prefill" else {"prefill_url": workers["prefill"].url}
+        kv = {"handoff_id": handoff_id, "mode": mode, "role": role, **peer}
+        if role == "decode" and mode == "pull":
+            metadata = httpx.get(f"{workers['prefill'].url}/kv/info", headers=HEADERS, timeout=10).json()["agent_metadata"]
+            kv["remote"] = {"agent_metadata": metadata}
+            r = httpx.post(f"{server.url}/v1/completions", headers=HEADERS, timeout=30,
+                           json={**body(PROMPTS[2]), "kv_transfer_params": kv})
+            assert r.status_code == 400 and "prompt_token_ids" in r.json()["error"]["message"], r.text
+            kv["remote"] |= {"prompt_token_ids": [1, 2], "num_kv_tokens": 2, "block_ids": [0], "checksums": [0]}
+        r = httpx.post(f"{server.url}/v1/completions", headers=HEADERS, timeout=30,
+                       json={**body(PROMPTS[2]), "kv_transfer_params": kv})
+        assert r.status_code == 409 and "cancelled" in r.json()["error"]["message"], r.text
+        h = wait_baseline(server, timeout=5)
+        assert h["num_free_blocks"] == h["num_blocks"] and not h["num_pinned_handoffs"], h
+    assert httpx.post(f"{workers['prefill'].url}/v1/completions", json=body("still serving"), timeout=30).status_code == 200

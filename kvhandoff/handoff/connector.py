@@ -145,7 +145,10 @@ class Connector:
         self.leases = LeaseTable(cfg.lease_s)
         self.jobs: dict[str, PushJob] = {}              # prefill side, push
         self.incoming: dict[str, Incoming] = {}         # decode side
-        self.failed_handoffs: dict[str, tuple[str, float]] = {}   # prefill side: id -> (reason, when)
+        # Handoffs that failed or that the router cancelled: id -> (reason, when). A request or a
+        # registration that arrives for one later (a cancel can overtake a request still queued for
+        # admission) is refused instead of pinning blocks nobody will ever collect.
+        self.failed_handoffs: dict[str, tuple[str, float]] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
         self.counters = {"handoffs": 0, "failures": 0, "lease_expiries": 0, "late_notifications": 0,
                          "verify_failures": 0, "bytes": 0}
@@ -215,6 +218,7 @@ class Connector:
         Push modes return the job, whose `finished` event marks the end of the WRITE. `preloaded`:
         K/V read back from a decode worker (fetch_retained), as for LLMEngine.add_request."""
         assert mode in MODES
+        self._refuse_if_ended(handoff_id)
         job = None
         if mode in PUSH_MODES:
             with self._lock:
@@ -396,10 +400,18 @@ class Connector:
                 self.counters["bytes"] += job.bytes_sent
             job.finish()
 
-    def cancel_prefill(self, handoff_id: str) -> None:
-        """The router gave up on this handoff (client gone): free whatever it holds."""
+    def _refuse_if_ended(self, handoff_id: str) -> None:
+        with self._lock:
+            ended = self.failed_handoffs.get(handoff_id)
+        if ended is not None:
+            raise HandoffError(f"handoff {handoff_id} already ended: {ended[0]}", 409)
+
+    def cancel(self, handoff_id: str) -> None:
+        """Either side: the router gave up on this handoff (client gone, other leg refused): free
+        whatever it holds, and refuse its request should that still arrive."""
         self.release_lease(handoff_id)
         with self._lock:
+            self.failed_handoffs.setdefault(handoff_id, ("cancelled", time.monotonic()))
             job = self.jobs.get(handoff_id)
             if job is not None and not job.started:
                 self.jobs.pop(handoff_id)
@@ -418,6 +430,7 @@ class Connector:
         handoff object and `peer` its agent. Push: `register(incoming)` is called (engine thread) once
         blocks are reserved and must deliver the registration to the prefill worker. `retain`
         (bidirectional): keep the finished turn's KV, replacing the conversation's turn `supersedes`."""
+        self._refuse_if_ended(handoff_id)
         retain = retain and self.retention is not None
         num_kv = len(prompt_ids)            # the whole prompt; the prefill also sampled the first token
         incoming = Incoming(handoff_id, mode, num_kv, peer=peer)
@@ -627,7 +640,7 @@ class Connector:
             if not self.leases.renew(handoff_id):
                 self.counters["late_notifications"] += 1
         elif kind == "cancel":
-            self.cancel_prefill(handoff_id)
+            self.cancel(handoff_id)
         elif kind == "unlease":
             if self.retention is not None:
                 self.loop.call(lambda: self.retention.unlease(handoff_id))

@@ -45,6 +45,20 @@ class KVRequest:
         return None if self.remote is None else list(self.remote["prompt_token_ids"])
 
 
+def check_remote(remote: dict) -> None:
+    """A pull decode's handoff object must be whole and well-typed before anything acts on it: it
+    comes from the router, which got it from a prefill worker, but a control endpoint trusts no body."""
+    def int_list(value) -> bool:
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    checks = {"prompt_token_ids": int_list, "block_ids": int_list, "checksums": int_list,
+              "num_kv_tokens": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "agent_metadata": lambda v: isinstance(v, str)}
+    bad = [name for name, ok in checks.items() if not ok(remote.get(name))]
+    if bad:
+        raise P.APIError(400, f"kv_transfer_params.remote lacks or mistypes {', '.join(bad)}",
+                         param="kv_transfer_params.remote")
+
+
 class WorkerHandoff:
     def __init__(self, server: Server, connector: Connector, role: str, secret: bytes):
         assert role in ROLES
@@ -88,6 +102,8 @@ class WorkerHandoff:
             raise P.APIError(400, f"this worker's role is {self.role}, not {kv.role}", param="kv_transfer_params.role")
         if kv.role == "decode" and kv.mode in PULL_MODES and not isinstance(kv.remote, dict):
             raise P.APIError(400, "a pull decode needs kv_transfer_params.remote", param="kv_transfer_params.remote")
+        if kv.role == "decode" and kv.mode in PULL_MODES:
+            check_remote(kv.remote)
         if kv.role == "decode" and kv.mode not in PULL_MODES and not kv.prefill_url:
             raise P.APIError(400, "a push decode needs kv_transfer_params.prefill_url", param="kv_transfer_params")
         if kv.reuse is not None and not (isinstance(kv.reuse, dict) and isinstance(kv.reuse.get("decode_url"), str)
@@ -111,15 +127,15 @@ class WorkerHandoff:
         try:
             job = self.connector.submit_prefill(kv.handoff_id, prompt_ids, params, kv.mode, on_output,
                                                 preloaded=preloaded)
-        except ValueError as exc:
+        except (ValueError, HandoffError) as exc:
             if preloaded is not None:
                 self.connector.loop.call(lambda: self.connector.engine.release_pinned(preloaded[0]))
             self.connector.prefill_refused(kv.handoff_id, str(exc))
-            raise P.APIError(400, str(exc)) from None
+            raise P.APIError(getattr(exc, "status", 400), str(exc)) from None
         try:
             out = await done
         except asyncio.CancelledError:     # the router went away: free what we hold
-            self.connector.cancel_prefill(kv.handoff_id)
+            self.connector.cancel(kv.handoff_id)
             raise
         if out.finish_reason != "prefilled":
             raise P.APIError(500 if out.finish_reason == "error" else 503,
@@ -350,10 +366,7 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         """The router gave up on a handoff (its client left): free what this worker holds for it."""
         body = await control_body(request, handoff.secret)
         handoff_id = body["handoff_id"]
-        if handoff.role == "prefill":
-            handoff.connector.cancel_prefill(handoff_id)
-        else:
-            server.loop.abort(handoff_id)
+        handoff.connector.cancel(handoff_id)
         return {"cancelled": handoff_id}
 
     @app.post("/kv/retained/lease")
