@@ -83,8 +83,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="decode side, when KV cannot be loaded or fails verification (default: %(default)s)")
     g.add_argument("--inject-faults", default=None, metavar="SPEC",
-                   help="TESTING ONLY: make this worker's transfers fail or notifications vanish, e.g. "
-                        "read_fail, write_fail, drop=done+release, delay_ms=500 (kvhandoff/handoff/faults.py)")
+                   help="TESTING ONLY: make this worker's transfers fail or slow, its notifications vanish, or "
+                        "kill it at a phase, e.g. read_fail, write_fail, slow_ms=300, drop=done+release, "
+                        "delay_ms=500, kill_at=registered|transfer|decode (kvhandoff/handoff/faults.py)")
     g = p.add_argument_group("bidirectional multi-turn reuse (with the router's --bidirectional)")
     g.add_argument("--bidirectional", action="store_true",
                    help="decode: keep each finished turn's KV for the conversation's next turn; prefill: read "

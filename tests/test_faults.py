@@ -1,8 +1,19 @@
-"""Injected faults (issue 7, `kvhandoff serve --inject-faults`): a failed READ or WRITE, a lost `done`
-or `release` notification. The affected request still ends with the right tokens (recompute), the
-other side hears of failures at once where it can, and every pool returns to its baseline."""
+"""Injected faults (issue 7, `kvhandoff serve --inject-faults`).
+
+First one request at a time, worker to worker: a failed READ or WRITE, a lost `done` or `release`
+notification. The affected request still ends with the right tokens (recompute), the other side hears
+of failures at once where it can, and every pool returns to its baseline.
+
+Then the matrix, through a real router with two prefill and two decode workers, one of them faulty:
+each fault (a worker killed after registration, mid-transfer or mid-decode; transfers failing or
+slow; notifications lost or late) in pull and push, with concurrent bystander requests. Every
+request ends with the colocated tokens, or, if its decode worker died after it had streamed tokens,
+with an error event naming that worker; pools return to baseline; no process is left behind."""
 from __future__ import annotations
 
+import json
+import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,7 +21,8 @@ import httpx
 import pytest
 
 from conftest import ServerProcess
-from test_handoff import COMMON, HEADERS, PROMPTS, body, disaggregated, wait_baseline
+from test_handoff import COMMON, HEADERS, PROMPTS, SECRET, body, disaggregated, wait_baseline
+from test_router import ROUTER_READY, Proc
 
 # Short timeouts so the watchdog and lease paths run within the test.
 FAST = ["--kv-timeout-s", "2", "--lease-s", "2"]
@@ -19,9 +31,9 @@ FAST = ["--kv-timeout-s", "2", "--lease-s", "2"]
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     logs = tmp_path_factory.mktemp("faults")
-    started = [ServerProcess([*COMMON, "--role", role, *FAST], logs / f"{role}.log")
-               for role in ("prefill", "decode", "both")]
-    yield dict(zip(("prefill", "decode", "colocated"), started))
+    roles = {"prefill": "prefill", "decode": "decode", "colocated": "both", "prefill2": "prefill", "decode2": "decode"}
+    started = [ServerProcess([*COMMON, "--role", role, *FAST], logs / f"{name}.log") for name, role in roles.items()]
+    yield dict(zip(roles, started))
     for server in started:
         server.stop()
 
@@ -102,3 +114,116 @@ def test_lost_release_is_covered_by_the_lease(tmp_path, healthy, reference):
         assert 'kvhandoff_handoff_events_total{event="lease_expiries"}' in metrics
     finally:
         decode.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The matrix: (mode, role of the faulty worker, --inject-faults spec)
+
+KILLS = [("pull", "prefill", "kill_at=registered"), ("pull", "decode", "kill_at=registered"),
+         ("pull", "decode", "kill_at=transfer"), ("pull", "decode", "kill_at=decode"),
+         ("push", "prefill", "kill_at=registered"), ("push", "prefill", "kill_at=transfer"),
+         ("push", "decode", "kill_at=registered"), ("push", "decode", "kill_at=decode")]
+DEGRADED = [("pull", "decode", "read_fail"), ("push", "prefill", "write_fail"),
+            ("pull", "decode", "slow_ms=300"), ("push", "prefill", "slow_ms=300"),
+            ("pull", "decode", "drop=release"), ("push", "prefill", "drop=done"),
+            ("pull", "decode", "delay_ms=300"), ("push", "prefill", "delay_ms=300")]
+MATRIX_TOKENS = 48          # long enough that a decode worker killed after 4 tokens dies mid-stream
+SHM_SEGMENT = re.compile(r"^kvh\.\d+\.(\d+)\.")
+
+
+def matrix_body(i: int) -> dict:
+    return body(PROMPTS[i % len(PROMPTS)], max_tokens=MATRIX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def matrix_reference(healthy) -> list[str]:
+    return [httpx.post(f"{healthy['colocated'].url}/v1/completions", json=matrix_body(i), timeout=60)
+            .json()["choices"][0]["text"] for i in range(len(PROMPTS))]
+
+
+def stream(url: str, request: dict) -> tuple[int, str, str | None, dict | None]:
+    """(status, text, error message, handoff object) of one streamed completion."""
+    text, error, handoff = "", None, None
+    with httpx.stream("POST", url + "/v1/completions", json={**request, "stream": True}, timeout=90) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, "", r.json()["error"]["message"], None
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]["message"]
+            for choice in chunk.get("choices", []):
+                text += choice.get("text") or ""
+            handoff = chunk.get("handoff", handoff)
+    return 200, text, error, handoff
+
+
+def our_children() -> set[int]:
+    """PIDs of this test process's live children (zombies included: a child not reaped is left behind)."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == me:
+                found.add(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("mode,role,spec", KILLS + DEGRADED, ids=lambda v: str(v))
+def test_fault_matrix(tmp_path, healthy, matrix_reference, mode, role, spec):
+    before = our_children()
+    faulty = ServerProcess([*COMMON, "--role", role, *FAST, "--inject-faults", spec], tmp_path / f"{role}-faulty.log")
+    prefills = [faulty.url, healthy["prefill"].url] if role == "prefill" else [healthy["prefill"].url]
+    decodes = [faulty.url, healthy["decode"].url] if role == "decode" else [healthy["decode"].url]
+    if len(prefills) == 1:       # the other role gets a second healthy worker too: rotation has a choice
+        prefills.append(healthy["prefill2"].url)
+    else:
+        decodes.append(healthy["decode2"].url)
+    router = Proc(["router", "--prefill", ",".join(prefills), "--decode", ",".join(decodes), "--mode", mode,
+                   "--port", "0", "--kv-secret", SECRET, "--health-interval", "0.5", "--request-timeout", "60"],
+                  tmp_path / "router.log", ROUTER_READY)
+    killed = spec.startswith("kill_at")
+    try:
+        n = 8
+        with ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(lambda i: stream(router.url, matrix_body(i)), range(n)))
+        errors = []
+        for i, (status, text, error, handoff) in enumerate(results):
+            if error is None:
+                assert status == 200 and text == matrix_reference[i % len(PROMPTS)], (i, status, text, handoff)
+            else:       # only a stream whose decode worker died after its first tokens may end this way
+                assert spec == "kill_at=decode" and status == 200 and faulty.url in error, (i, status, error)
+                assert matrix_reference[i % len(PROMPTS)].startswith(text) and text, (i, text)
+                errors.append(i)
+        if killed:
+            faulty.proc.wait(10)        # the fault fired (a worker killed at that phase, not stopped by us)
+            workers = httpx.get(router.url + "/health", timeout=10).json()["workers"]
+            assert [w["status"] for w in workers if w["url"] == faulty.url] == ["unreachable"], workers
+        if spec == "kill_at=decode":
+            assert errors, "the decode worker died after every stream had finished: the fault tested nothing"
+        if spec.startswith("slow_ms"):
+            slowed = [h["phases_ms"]["transfer"] for _, _, _, h in results if h[f"{role}_worker"] == faulty.url]
+            assert slowed and min(slowed) >= 300, slowed      # the slow link shows where it belongs
+        # The router still serves, and every pool, the survivors' and the faulty one's, is back at baseline.
+        status, text, error, _ = stream(router.url, matrix_body(1))
+        assert (status, text, error) == (200, matrix_reference[1], None)
+        for server in [s for s in healthy.values()] + ([] if killed else [faulty]):
+            h = wait_baseline(server, timeout=15)
+            assert h["num_free_blocks"] == h["num_blocks"] and not h["num_pinned_handoffs"], h
+            assert not h["num_quarantined"] and not h["num_waiting_for_kv"], h
+    finally:
+        assert router.stop() == 0, router.text()[-3000:]
+        faulty.stop()
+    assert our_children() == before        # the faulty worker and the router are gone, and reaped
+    dead = faulty.proc.pid
+    deadline = time.monotonic() + 10
+    while any(int(m[1]) == dead for m in map(SHM_SEGMENT.match, os.listdir("/dev/shm")) if m) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    leftover = [f for f in os.listdir("/dev/shm") if (m := SHM_SEGMENT.match(f)) and int(m[1]) == dead]
+    assert not leftover, f"the faulty worker's shared memory outlived it: {leftover}"

@@ -29,7 +29,7 @@ from typing import Callable
 
 from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestOutput, SamplingParams
-from kvhandoff.handoff.faults import Faults
+from kvhandoff.handoff.faults import KILL_AFTER_TOKENS, KILL_DELAY_S, Faults
 from kvhandoff.handoff.kv_layout import KVLayout, block_checksums
 from kvhandoff.handoff.leases import LeaseTable
 from kvhandoff.handoff.retention import Retention, RetentionConfig
@@ -236,6 +236,7 @@ class Connector:
             self.cost_model.observe_prefill(computed, (out.timings.get("prefill_ms") or 0) / 1e3)
             if mode in PULL_MODES:
                 self.leases.pin(handoff_id, out.kv_block_ids)
+                self.cfg.faults.reached("registered", handoff_id)
             else:
                 self._prefilled(handoff_id, out)
             on_output(out)
@@ -298,6 +299,7 @@ class Connector:
             if not isinstance(skip, int) or not 0 <= skip < len(registration["block_ids"]):
                 raise HandoffError(f"skip_blocks must be a block index below the registered blocks, not {skip!r}", 400)
             job.registration, job.registered_at, job.peer = registration, time.monotonic(), peer
+            self.cfg.faults.reached("registered", handoff_id)
             self._maybe_start(job)
 
     def _maybe_start(self, job: PushJob) -> None:
@@ -350,8 +352,10 @@ class Connector:
     def _write_layer(self, job: PushJob, first_layer: int, num_layers: int, local: list[int],
                      remote: list[int]) -> None:
         if job.failed is None and local:
+            self.cfg.faults.slow_down()
             job.pending.append(self.agent.write(job.peer, self.layout.layer_descs(local, first_layer, num_layers),
                                                 self.layout.layer_descs(remote, first_layer, num_layers)))
+            self.cfg.faults.reached("transfer", job.handoff_id)
 
     def _write_job(self, job: PushJob) -> None:
         """Everything the layer-wise writes did not cover, then `done` with the checksums."""
@@ -381,9 +385,11 @@ class Connector:
                 log.warning("fault injection: done notification for %s dropped", handoff_id)
                 done = b""
             if local:
+                self.cfg.faults.slow_down()
                 handle = self.agent.write(job.peer, self.layout.block_descs(local), self.layout.block_descs(remote),
-                                          notify=done).wait(self.cfg.kv_timeout_s)
-                job.bytes_sent += handle.nbytes
+                                          notify=done)
+                self.cfg.faults.reached("transfer", handoff_id)
+                job.bytes_sent += handle.wait(self.cfg.kv_timeout_s).nbytes
             elif done:
                 self.agent.send_notification(job.peer, done)
         except (TransferError, HandoffError, OSError) as exc:
@@ -450,6 +456,8 @@ class Connector:
             if remote is not None:      # from here on, remote blocks and checksums name only what travels
                 incoming.remote_blocks = incoming.remote_blocks[incoming.skip_blocks:]
                 incoming.checksums = incoming.checksums[incoming.skip_blocks:]
+            if mode in PULL_MODES:
+                self.cfg.faults.reached("registered", handoff_id)
             if mode == "pull":
                 self._reader_q.put((incoming, self._post_read(incoming)))
             elif mode == "pull-reader":
@@ -460,6 +468,8 @@ class Connector:
                 register(incoming)
 
         def on_out(out: RequestOutput) -> None:        # engine thread
+            if out.num_output_tokens >= KILL_AFTER_TOKENS:
+                self.cfg.faults.reached("decode", handoff_id, delay_s=KILL_DELAY_S)
             if out.finished:
                 out.handoff = self._decode_report(incoming, out)
                 if out.retained is not None:        # (a failed turn keeps the previous one in place)
@@ -534,6 +544,8 @@ class Connector:
             try:
                 if handle is None:
                     handle = self._post_read(incoming)
+                self.cfg.faults.reached("transfer", incoming.handoff_id)
+                self.cfg.faults.slow_down()         # the bytes arrive late, as over a slow link
                 if self.cfg.faults.read_fail:
                     raise TransferError("injected READ failure (--inject-faults read_fail)")
                 handle.wait(self.cfg.kv_timeout_s)

@@ -9,6 +9,11 @@ worker's answer back as it arrives, and merges what both workers report into one
 - push / push-layerwise: the decode worker is picked at arrival (early binding) and both requests go
   out at once; each side is told the other's URL.
 
+Failures: a worker that fails (5xx, unreachable, dies) before the client saw a token is taken out
+of rotation (if it stopped answering) and the request is retried once, as a fresh handoff, on other
+workers; streams hold back events until the first token so the retry is invisible. After a token, the
+stream ends with an OpenAI error event. Nothing outlives --request-timeout.
+
 Ownership of upstream connections: every response opened to a worker is recorded on the request's
 `Handoff` and closed by `Router.finish`, whichever way the request ends (done, worker error, client
 gone, deadline). Closing a half-read response closes its TCP connection, which is how a worker learns
@@ -100,6 +105,14 @@ class Worker:
     last_health: dict = field(default_factory=dict)
 
 
+class WorkerFailure(P.APIError):
+    """A worker could not be reached, broke off its answer, or answered garbage (502)."""
+
+    def __init__(self, worker: Worker, message: str, code: str):
+        super().__init__(502, message, type="server_error", code=code)
+        self.worker = worker
+
+
 class Relay(Exception):
     """A worker's own error answer (4xx/5xx), relayed to the client with its status and body."""
 
@@ -132,6 +145,18 @@ class Handoff:
     session_id: str | None = None                 # bidirectional: the client's name for the conversation
     candidate: SessionEntry | None = None         # bidirectional: where its history's KV is kept
     finished: bool = False
+    attempts: int = 1                             # 2 after a retry on other workers
+    excluded: set[str] = field(default_factory=set)   # workers that failed this request
+    retry_reason: str | None = None               # why the first attempt was given up
+
+    def next_attempt(self) -> None:
+        """Forget the abandoned attempt's legs: the retry is a new handoff with its own id."""
+        self.attempts += 1
+        self.handoff_id = uuid.uuid4().hex
+        self.prefill = self.decode = self.prefill_task = self.remote = None
+        self.upstream, self.open_legs, self.holding = [], set(), []
+        self.decode_done = self.decode_opened = False
+        self.retried = None
 
     def ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1e3
@@ -156,6 +181,9 @@ class RouterMetrics:
                                ["mode", "phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.bytes = Counter("kvhandoff_router_handoff_bytes", "KV bytes the workers reported moving", ["mode"],
                              registry=r)
+        self.retries = Counter("kvhandoff_router_retries", "Requests retried once on other workers after a "
+                               "worker failed them before their first token, by the failed worker's role",
+                               ["mode", "role"], registry=r)
         self.in_flight = Gauge("kvhandoff_router_worker_in_flight", "Requests in flight per worker",
                                ["role", "worker"], registry=r)
 
@@ -191,9 +219,10 @@ class Router:
         # No read timeout: a long prefill or a long generation is not a failure; the request deadline
         # (config.request_timeout) bounds everything instead. No pool cap: in-flight requests are bounded
         # by the workers' queues, and a router that queued on its own pool would hide load from them.
+        # Idle connections are dropped well before the workers would close them (SERVER_KEEP_ALIVE_S).
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=self.config.connect_timeout, read=None, write=60.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=5.0))
         logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per worker call and health poll
         if self.config.health_interval > 0:
             self.spawn(self.poll_health())
@@ -217,7 +246,8 @@ class Router:
         role, n = workers[0].role, len(workers)
         start = self.cursor.get(role, 0)
         in_turn = [workers[(start + i) % n] for i in range(n)]
-        worker = min(in_turn, key=lambda w: (not w.healthy, w.url != prefer, w.in_flight, w.load))
+        worker = min(in_turn, key=lambda w: (w.url in ctx.excluded, not w.healthy, w.url != prefer,
+                                             w.in_flight, w.load))
         self.cursor[role] = (workers.index(worker) + 1) % n
         worker.in_flight += 1
         ctx.holding.append(worker)
@@ -270,8 +300,8 @@ class Router:
         except ValueError:
             data = None
         if not isinstance(data, dict):
-            raise P.APIError(502, f"the {worker.role} worker {worker.url} answered something that is not a JSON "
-                             "object", type="server_error", code="bad_worker_answer")
+            raise WorkerFailure(worker, f"the {worker.role} worker {worker.url} answered something that is not "
+                                "a JSON object", "bad_worker_answer")
         return data
 
     async def call_prefill(self, ctx: Handoff, endpoint: str, body: dict, **extra) -> dict:
@@ -283,26 +313,72 @@ class Router:
         self.unhold(ctx, worker)
         handoff = data.get("handoff")
         if not isinstance(handoff, dict):
-            raise P.APIError(502, f"the prefill worker {worker.url} answered without a handoff object; is it "
-                             "running with --role prefill?", type="server_error", code="bad_worker_answer")
+            raise WorkerFailure(worker, f"the prefill worker {worker.url} answered without a handoff object; is "
+                                "it running with --role prefill?", "bad_worker_answer")
         return handoff
 
     def tell(self, ctx: Handoff, worker: Worker, path: str, **fields) -> None:
         """Fire-and-forget control message about this handoff (/kv/cancel, /kv/release, /kv/failed).
         All are idempotent on the worker, so telling a worker that already knows costs nothing."""
+        handoff_id = ctx.handoff_id         # now: a retry gives ctx a new one before this runs
         async def send():
             try:
-                await self.client.post(worker.url + path, json={"handoff_id": ctx.handoff_id, **fields},
+                await self.client.post(worker.url + path, json={"handoff_id": handoff_id, **fields},
                                        headers=self.auth, timeout=5.0)
             except httpx.HTTPError as e:
-                log.warning("handoff %s: %s on %s failed: %s", ctx.handoff_id, path, worker.url, describe(e))
+                log.warning("handoff %s: %s on %s failed: %s", handoff_id, path, worker.url, describe(e))
         self.spawn(send())
 
     # -- one request ----------------------------------------------------------------------------------
     async def dispatch(self, ctx: Handoff, body: dict) -> Response:
-        """Everything up to the answer's status line: both legs started, the decode answer open."""
+        """The client's response: a stream relayed from the decode worker, or its whole JSON answer."""
         if self.config.bidirectional:
             ctx.candidate = await self.find_session(ctx, body)
+        while True:
+            try:
+                resp = await self.open_answer(ctx, body)
+                if ctx.stream:
+                    # finish() awaits (closing upstream), and SSEResponse calls on_close synchronously once
+                    # the response is over, outside the cancel scope Starlette ends a stream with: a task.
+                    return SSEResponse(self.relay_events(ctx, body, resp), on_close=lambda: self.spawn(self.finish(ctx)))
+                data = await self.read_json(ctx.decode, resp)
+                break
+            except (Relay, P.APIError) as failure:
+                if not await self.retry_elsewhere(ctx, failure):
+                    raise
+        ctx.decode_done = True
+        ctx.open_legs.discard("decode")
+        if ctx.retried:
+            data["handoff"] = self.retried_handoff(ctx)
+        elif isinstance(data.get("handoff"), dict):
+            data["handoff"] = await self.merge(ctx, data["handoff"])
+        return JSONResponse(data)
+
+    async def retry_elsewhere(self, ctx: Handoff, failure: BaseException) -> bool:
+        """A worker failed this request before the client saw any of its answer: give up this attempt
+        (its legs released as if the client had left) and say whether to try once more, on workers
+        other than the failed one. Only the worker's fault qualifies (5xx, unreachable, died), and only
+        when a healthy alternative exists: the same worker would most likely fail the same way."""
+        worker = failure.worker if isinstance(failure, (Relay, WorkerFailure)) else None
+        status = failure.status if isinstance(failure, (Relay, P.APIError)) else 500
+        if isinstance(failure, WorkerFailure) and failure.code != "bad_worker_answer":
+            worker.healthy = False          # it stopped answering: out of rotation until a poll says ok
+        if worker is None or status < 500 or ctx.attempts > 1 or ctx.first_token_ms is not None:
+            return False
+        peers = self.prefills if worker.role == "prefill" else self.decodes
+        if not any(w.healthy and w is not worker for w in peers):
+            return False
+        reason = failure_message(failure)
+        log.warning("handoff %s: %s; retrying once on other workers", ctx.handoff_id, reason)
+        self.metrics.retries.labels(self.mode, worker.role).inc()
+        await self.release_legs(ctx)
+        ctx.excluded.add(worker.url)
+        ctx.retry_reason = reason
+        ctx.next_attempt()
+        return True
+
+    async def open_answer(self, ctx: Handoff, body: dict) -> httpx.Response:
+        """Everything up to the answer's status line: both legs started, the decode answer open."""
         prefer = ctx.candidate.decode_url if ctx.candidate is not None else None
         if self.mode.startswith("pull"):
             ctx.prefill = self.pick(ctx, self.prefills)
@@ -324,18 +400,7 @@ class Router:
                 self.call_prefill(ctx, ctx.endpoint, body, decode_url=ctx.decode.url))
             ctx.prefill_task.add_done_callback(lambda task: self.push_prefill_done(ctx, task))
             resp = await self.open_push_decode(ctx, body)
-        if ctx.stream:
-            # finish() awaits (closing upstream), and SSEResponse calls on_close synchronously once the
-            # response is over, outside the cancel scope Starlette ends a stream with: so it runs as a task.
-            return SSEResponse(self.relay_events(ctx, resp), on_close=lambda: self.spawn(self.finish(ctx)))
-        data = await self.read_json(ctx.decode, resp)
-        ctx.decode_done = True
-        ctx.open_legs.discard("decode")
-        if ctx.retried:
-            data["handoff"] = self.retried_handoff(ctx)
-        elif isinstance(data.get("handoff"), dict):
-            data["handoff"] = await self.merge(ctx, data["handoff"])
-        return JSONResponse(data)
+        return resp
 
     async def open_push_decode(self, ctx: Handoff, body: dict) -> httpx.Response:
         decode = asyncio.ensure_future(self.post(ctx, ctx.decode, ctx.endpoint,
@@ -369,8 +434,8 @@ class Router:
         the whole request, and a failure the router will retry colocated is open_push_decode's; a
         cancelled prefill is the router's own doing."""
         failure = task_error(task)
-        if ctx.finished or failure is None or prefill_refused(task):
-            return
+        if ctx.finished or task is not ctx.prefill_task or failure is None or prefill_refused(task):
+            return      # (not ctx.prefill_task: an attempt given up for a retry, already cleaned up)
         if self.may_retry(failure) and not ctx.decode_opened:
             return
         _, reason = task_outcome(task)
@@ -396,10 +461,11 @@ class Router:
 
     def retried_handoff(self, ctx: Handoff) -> dict:
         """The handoff object of a request retried colocated (the decode worker answered a plain one)."""
-        return {"handoff_id": ctx.handoff_id, "mode": self.mode, "prefill_worker": ctx.prefill.url,
-                "decode_worker": ctx.decode.url, "bytes_transferred": 0, "blocks": 0, "reused_tokens": 0,
-                "kv_source": "retried_colocated", "retried_colocated": ctx.retried,
-                "phases_ms": dict.fromkeys(PHASES), "router_ms": ctx.router_ms}
+        report = {"handoff_id": ctx.handoff_id, "mode": self.mode, "prefill_worker": ctx.prefill.url,
+                  "decode_worker": ctx.decode.url, "bytes_transferred": 0, "blocks": 0, "reused_tokens": 0,
+                  "kv_source": "retried_colocated", "retried_colocated": ctx.retried,
+                  "phases_ms": dict.fromkeys(PHASES), "router_ms": ctx.router_ms}
+        return report | ({"retried_elsewhere": ctx.retry_reason} if ctx.retry_reason else {})
 
     async def merge(self, ctx: Handoff, decode_handoff: dict) -> dict:
         """The client's handoff object: the decode worker's, with the prefill's phases and ours added."""
@@ -421,34 +487,56 @@ class Router:
                       decode_worker=ctx.decode.url, phases_ms=phases, router_ms=ctx.router_ms)
         if prefill_error:
             merged["prefill_error"] = prefill_error
+        if ctx.retry_reason:
+            merged["retried_elsewhere"] = ctx.retry_reason
         if self.config.bidirectional:
             self.remember(ctx, merged)
         self.metrics.handoff(self.mode, merged)
         return merged
 
-    async def relay_events(self, ctx: Handoff, resp: httpx.Response) -> AsyncIterator[str]:
-        """The decode worker's SSE events, forwarded one by one as they arrive; the event that carries
-        the handoff object is re-encoded with the merged one. Worker failure or the deadline ends the
-        stream with an OpenAI error event, as a worker's own stream would."""
-        events = sse_events(resp)
+    async def relay_events(self, ctx: Handoff, body: dict, resp: httpx.Response) -> AsyncIterator[str]:
+        """The decode worker's SSE events, forwarded as they arrive; the event that carries the handoff
+        object is re-encoded with the merged one. Events before the first token (a chat stream's role
+        announcement) are held back with it, so that a worker failing before then can be replaced
+        (retry_elsewhere) without the client seeing two beginnings. A failure after it, or the deadline,
+        ends the stream with an OpenAI error event, as a worker's own stream would."""
+        events, held = sse_events(resp), []
         while True:
             try:
                 async with asyncio.timeout_at(ctx.deadline):
                     lines = await anext(events, None)
             except TimeoutError:
                 ctx.status = "504"
-                yield sse_event(deadline_error(self.config.request_timeout).body()) + DONE
+                yield "".join(held) + sse_event(deadline_error(self.config.request_timeout).body()) + DONE
                 return
             except httpx.TransportError as e:
+                failure = worker_failure(ctx.decode, e)
+                try:
+                    retry = await self.retry_elsewhere(ctx, failure)
+                    if retry:
+                        resp = await self.open_answer(ctx, body)
+                        events, held = sse_events(resp), []
+                        continue
+                except (Relay, P.APIError) as e2:
+                    failure = e2
                 ctx.status = "502"
-                yield sse_event(P.error_body(f"the decode worker {ctx.decode.url} failed mid-stream: "
-                                             f"{describe(e)}", "server_error")) + DONE
+                message = failure_message(failure)
+                if ctx.retry_reason:
+                    message += f" (retried after: {ctx.retry_reason})"
+                yield "".join(held) + sse_event(P.error_body(message, "server_error")) + DONE
                 return
             if lines is None:
                 ctx.decode_done = True
                 ctx.open_legs.discard("decode")
+                if held:
+                    yield "".join(held)
                 return
-            yield await self.rewrite_event(ctx, lines)
+            event = await self.rewrite_event(ctx, lines)
+            if ctx.first_token_ms is None and ctx.status == "200":
+                held.append(event)
+                continue
+            yield "".join(held) + event
+            held = []
 
     async def rewrite_event(self, ctx: Handoff, lines: list[str]) -> str:
         raw = "\n".join(lines) + "\n\n"
@@ -480,6 +568,16 @@ class Router:
             return
         ctx.finished = True
         self.num_in_flight -= 1
+        await self.release_legs(ctx)
+        status = ctx.status
+        if ctx.stream and status == "200" and not ctx.decode_done:
+            status = "499"                     # the client left mid-stream
+        self.metrics.requests.labels(self.mode, ctx.endpoint, status).inc()
+        if status == "200":
+            self.metrics.e2e.labels(self.mode).observe(ctx.ms() / 1e3)
+
+    async def release_legs(self, ctx: Handoff) -> None:
+        """Close this attempt's upstream answers and tell its workers to free what they hold for it."""
         for resp in ctx.upstream:
             await resp.aclose()
         if ctx.prefill_task is not None:
@@ -496,12 +594,6 @@ class Router:
             self.tell(ctx, ctx.prefill, "/kv/release")    # pull: nobody will read the pinned blocks
         if "decode" in ctx.open_legs:
             self.tell(ctx, ctx.decode, "/kv/cancel")
-        status = ctx.status
-        if ctx.stream and status == "200" and not ctx.decode_done:
-            status = "499"                     # the client left mid-stream
-        self.metrics.requests.labels(self.mode, ctx.endpoint, status).inc()
-        if status == "200":
-            self.metrics.e2e.labels(self.mode).observe(ctx.ms() / 1e3)
 
     # -- bidirectional: the session map ---------------------------------------------------------------
     async def find_session(self, ctx: Handoff, body: dict) -> SessionEntry | None:
@@ -706,12 +798,20 @@ async def error_json(worker: Worker, resp: httpx.Response) -> dict:
                         "invalid_request_error" if resp.status_code < 500 else "server_error")
 
 
-def worker_failure(worker: Worker, e: httpx.TransportError) -> P.APIError:
+def worker_failure(worker: Worker, e: httpx.TransportError) -> WorkerFailure:
     if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return P.APIError(502, f"cannot reach the {worker.role} worker {worker.url}: {describe(e)}",
-                          type="server_error", code="worker_unreachable")
-    return P.APIError(502, f"the {worker.role} worker {worker.url} failed mid-request: {describe(e)}",
-                      type="server_error", code="worker_failed")
+        return WorkerFailure(worker, f"cannot reach the {worker.role} worker {worker.url}: {describe(e)}",
+                             "worker_unreachable")
+    return WorkerFailure(worker, f"the {worker.role} worker {worker.url} failed mid-request: {describe(e)}",
+                         "worker_failed")
+
+
+def failure_message(failure: BaseException) -> str:
+    if isinstance(failure, Relay):
+        error = failure.body.get("error") if isinstance(failure.body, dict) else None
+        detail = error.get("message") if isinstance(error, dict) else None
+        return f"{failure}: {detail}" if detail else str(failure)
+    return getattr(failure, "message", None) or str(failure)
 
 
 def deadline_error(seconds: float) -> P.APIError:

@@ -273,6 +273,8 @@ class WorkerHandoff:
             if r.status_code >= 400:
                 reason = r.json().get("error", {}).get("message", r.text)
                 self.connector.fail_incoming(kv.handoff_id, f"prefill refused the registration: {reason}")
+            else:
+                self.connector.cfg.faults.reached("registered", kv.handoff_id)
         except httpx.HTTPError as exc:
             # It may or may not have arrived: keep the blocks aside until the push deadline passes.
             self.connector.fail_incoming(kv.handoff_id, f"registration with {kv.prefill_url} failed: {exc}",

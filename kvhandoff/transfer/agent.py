@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "shm", "tcp", "nixl")
 INLINE_COPY_BYTES = 256 << 10   # smaller shm copies run in the caller: a thread hop costs more than the copy
 METADATA_VERSION = 1
+# Every agent sweeps the host for segments of dead owners this often: a worker that crashed before any
+# peer connected to it (so nobody saw it die) leaves nothing behind for longer than this.
+STALE_SWEEP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -490,11 +493,15 @@ class TransferAgent:
 
     def _housekeep(self) -> None:
         tick = min(self._heartbeat_s / 2, 0.25)
+        next_full_sweep = time.monotonic() + STALE_SWEEP_S
         while not self._stop.wait(tick):
             now = time.monotonic()
             for peer in list(self._peers.values()):
                 if peer.channel.dead is None and now - peer.channel.last_sent >= self._heartbeat_s:
                     peer.channel.ping()
+            if now >= next_full_sweep:      # owners that died before any peer connected to them
+                sweep_stale_segments(directory=self._shm_dir)
+                next_full_sweep = now + STALE_SWEEP_S
             with self._lock:
                 sweeps = list(self._sweep_pids.items())
             for pid, until in sweeps:
