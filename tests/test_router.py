@@ -439,6 +439,33 @@ def test_client_gone_during_prefill_cancels_it(routed):
     wait_until(lambda: router_idle(router.url), "in-flight counts not back to 0")
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_router_never_holds_a_client_past_its_deadline(fakes, tmp_path, mode):
+    """--request-timeout bounds every request: a hung worker gets the client a 504 (and is told to
+    cancel); a stream that outlives it ends with an error event after the tokens already sent."""
+    prefill, decode = fakes
+    router = start_router(tmp_path, prefill.url, decode.url, mode, "--request-timeout", "1.5")
+    try:
+        started = time.monotonic()
+        hung = {"prompt": "hi", "fake": {"tag": f"hung-{mode}", "prefill": {"delay": 30}, "decode": {"delay": 30}}}
+        r = httpx.post(router.url + "/v1/completions", json=hung, timeout=20)
+        assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+        assert time.monotonic() - started < 5
+        hid = handoff_of(prefill, f"hung-{mode}")
+        wait_until(lambda: hid in prefill.told_cancel, "the hung prefill worker was not told to cancel")
+        slow = {"prompt": "hi", "stream": True, "fake": {"tag": f"slow-{mode}", "decode": {"words": ["a", "b", "c", "d"],
+                                                                                         "gap": 1.0}}}
+        with httpx.stream("POST", router.url + "/v1/completions", json=slow, timeout=20) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
+        assert texts and texts == ["a", "b", "c", "d"][:len(texts)] and len(texts) < 4, events
+        assert "--request-timeout" in events[-1]["error"]["message"]
+        wait_until(lambda: router_idle(router.url), "in-flight counts not back to 0")
+    finally:
+        router.stop()
+
+
 def test_router_health_models_metrics(routed):
     router, prefill, decode, mode = routed
     health = httpx.get(router.url + "/health", timeout=10)

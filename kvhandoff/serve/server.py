@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from kvhandoff.engine.loop import EngineLoop
 
 log = logging.getLogger("kvhandoff.serve")
+SERVER_KEEP_ALIVE_S = 75          # idle keep-alive connections (see serve_forever)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -528,6 +529,9 @@ def serve_forever(app: FastAPI, host: str, port: int, *, log_level: str = "info"
                 server.abort_all()
             await super().shutdown(sockets)
 
+    # Idle keep-alive connections live longer here than in any client's pool (httpx drops them after
+    # 5 s): a server that closes an idle connection just as a client reuses it fails that request with
+    # a ReadError (seen once under load between the router and a decode worker at uvicorn's 5 s).
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            access_log=log_level == "debug")
+                            timeout_keep_alive=SERVER_KEEP_ALIVE_S, access_log=log_level == "debug")
     _Server(config).run()
