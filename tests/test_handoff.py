@@ -115,8 +115,11 @@ def test_handoffs_need_the_control_token(workers):
     assert httpx.get(f"{workers['prefill'].url}/kv/info", headers=wrong, timeout=30).status_code == 401
     r = httpx.post(f"{workers['colocated'].url}/v1/completions", json=request, headers=HEADERS, timeout=30)
     assert r.status_code == 400 and "colocated" in r.json()["error"]["message"]
-    # Still serving plain requests afterwards.
+    # Still serving plain requests afterwards; the refusals are logged, with the sender but no token.
     assert httpx.post(f"{workers['prefill'].url}/v1/completions", json=body("hello"), timeout=30).status_code == 200
+    log = workers["prefill"].log_path.read_text()
+    assert "rejected POST /v1/completions from 127.0.0.1: 401" in log and "rejected GET /kv/info" in log
+    assert control_headers("not-the-secret")["Authorization"].split()[1] not in log
 
 
 def test_expired_lease_is_detected_and_recomputed(tmp_path, workers, reference):

@@ -1,5 +1,6 @@
 """Security defaults (issue 7): every listener a worker or a router opens (HTTP and the KV agent) is
-bound to loopback unless an address is asked for. The other security guarantees are shown next to the
+bound to loopback unless an address is asked for, and the deployment secret never reaches a log, even
+at debug level with a handoff done. The other security guarantees are shown next to the
 code they test: a peer without the secret cannot attach and a descriptor outside the grant is refused
 (test_transfer.py: test_wrong_secret_is_refused_both_ways_and_changes_nothing,
 test_out_of_bounds_is_refused_and_changes_nothing, test_deregistered_region_is_refused), control
@@ -10,7 +11,10 @@ from __future__ import annotations
 import os
 import socket
 
+import httpx
+
 from conftest import ServerProcess
+from kvhandoff.serve.auth import control_token
 from test_handoff import COMMON, SECRET
 from test_router import ROUTER_READY, Proc
 
@@ -44,17 +48,27 @@ def listening_addresses(pid: int) -> list[str]:
     return found
 
 
-def test_listeners_default_to_loopback(tmp_path):
-    worker = ServerProcess([*COMMON, "--role", "prefill"], tmp_path / "prefill.log")
-    router = None
+def test_listeners_default_to_loopback_and_logs_hold_no_secret(tmp_path):
+    debug = ["--log-level", "debug"]
+    workers, router = [], None
     try:
-        router = Proc(["router", "--prefill", worker.url, "--decode", worker.url, "--mode", "pull", "--port", "0",
-                       "--kv-secret", SECRET], tmp_path / "router.log", ROUTER_READY)
-        for pid, least in ((worker.proc.pid, 2), (router.proc.pid, 1)):     # worker: HTTP + KV agent
+        for role in ("prefill", "decode"):
+            workers.append(ServerProcess([*COMMON, "--role", role, *debug], tmp_path / f"{role}.log"))
+        router = Proc(["router", "--prefill", workers[0].url, "--decode", workers[1].url, "--mode", "pull",
+                       "--port", "0", "--kv-secret", SECRET, *debug], tmp_path / "router.log", ROUTER_READY)
+        r = httpx.post(router.url + "/v1/completions", timeout=60,
+                       json={"prompt": "a handoff, so the handshake and control calls all run", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["handoff"]["bytes_transferred"] > 0, r.text
+        for pid, least in [(w.proc.pid, 2) for w in workers] + [(router.proc.pid, 1)]:   # worker: HTTP + KV agent
             addresses = listening_addresses(pid)
             assert len(addresses) >= least, addresses
             assert all(a.startswith(("127.0.0.1:", "::1:")) for a in addresses), addresses
     finally:
         if router is not None:
             router.stop()
-        worker.stop()
+        for worker in workers:
+            worker.stop()
+    for log in tmp_path.glob("*.log"):
+        text = log.read_text(errors="replace")
+        assert "DEBUG" in text or log.name == "router.log", f"{log.name}: not at debug level after all?"
+        assert SECRET not in text and control_token(SECRET) not in text, f"the secret (or its token) is in {log.name}"

@@ -361,7 +361,7 @@ class Router:
         when a healthy alternative exists: the same worker would most likely fail the same way."""
         worker = failure.worker if isinstance(failure, (Relay, WorkerFailure)) else None
         status = failure.status if isinstance(failure, (Relay, P.APIError)) else 500
-        if isinstance(failure, WorkerFailure) and failure.code != "bad_worker_answer":
+        if isinstance(failure, WorkerFailure) and failure.code != "bad_worker_answer" and self.config.health_interval > 0:
             worker.healthy = False          # it stopped answering: out of rotation until a poll says ok
         if worker is None or status < 500 or ctx.attempts > 1 or ctx.first_token_ms is not None:
             return False

@@ -325,6 +325,29 @@ class Server:
             P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens), final.timings), final))
 
 
+class RejectionLog:
+    """Rejected control messages (no or wrong token, malformed /kv/* bodies) are logged with who sent
+    them and why, never with the token; at most PER_SECOND lines a second, so a flood cannot fill the
+    disk (the rest are counted and reported in one line)."""
+    PER_SECOND = 10
+
+    def __init__(self):
+        self.window, self.logged, self.suppressed = 0.0, 0, 0
+
+    def note(self, request: Request, err: P.APIError) -> None:
+        now = time.monotonic()
+        if now - self.window >= 1.0:
+            if self.suppressed:
+                log.warning("%d more rejected control requests not logged", self.suppressed)
+            self.window, self.logged, self.suppressed = now, 0, 0
+        if self.logged >= self.PER_SECOND:
+            self.suppressed += 1
+            return
+        self.logged += 1
+        client = request.client.host if request.client else "?"
+        log.warning("rejected %s %s from %s: %d %s", request.method, request.url.path, client, err.status, err.message)
+
+
 def with_handoff(body: dict, final: RequestOutput) -> dict:
     if final.handoff is not None:
         body["handoff"] = final.handoff
@@ -443,10 +466,15 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo, max_in_flight: int | 
         srv.metrics.rejected(endpoint_label(request), err.status)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
+    rejections = RejectionLog()
+
     @app.exception_handler(P.APIError)
     async def on_api_error(request: Request, exc: P.APIError):
         if exc.status >= 500:
             log.error("%s %s: %s", request.method, request.url.path, exc.message)
+        elif exc.code == "unauthorized" or request.url.path.startswith("/kv/") or \
+                (exc.param or "").startswith("kv_transfer_params"):
+            rejections.note(request, exc)
         return error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
