@@ -187,11 +187,16 @@ class Soak:
     def report(self, drained: dict) -> dict:
         warm = next((s for s in self.samples if s["t_s"] >= self.args.warmup_s), self.samples[0])
         last = self.samples[-1]
-        rss = {name: {"warm_mib": round((warm["rss_kib"].get(name) or 0) / 1024, 1),
-                      "end_mib": round((last["rss_kib"].get(name) or 0) / 1024, 1)} for name in last["rss_kib"]}
-        for row in rss.values():
+        half = next(s for s in self.samples if s["t_s"] >= last["t_s"] / 2)
+        mib = lambda sample, name: round((sample["rss_kib"].get(name) or 0) / 1024, 1)
+        rss = {}
+        for name in last["rss_kib"]:
+            row = rss[name] = {"warm_mib": mib(warm, name), "half_mib": mib(half, name), "end_mib": mib(last, name)}
             row["drift_mib"] = round(row["end_mib"] - row["warm_mib"], 1)
             row["drift_pct"] = round(100 * row["drift_mib"] / row["warm_mib"], 1) if row["warm_mib"] else None
+            # A process that only reaches its allocator's high-water mark grows early and then stops;
+            # a leak keeps growing: the second half of the run tells them apart.
+            row["second_half_drift_mib"] = round(row["end_mib"] - row["half_mib"], 1)
         peak = {url: max(s["pools"].get(url, {}).get("used", 0) for s in self.samples) for url in drained}
         leaks = [url for url, w in drained.items() if w["num_free_blocks"] != w["num_blocks"]
                  or w["num_pinned_handoffs"] or w["num_quarantined"]]
@@ -228,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))
     log(f"outcomes: {result['outcomes']}")
     for name, row in result["rss"].items():
-        log(f"RSS {name:>16}: {row['warm_mib']:7.1f} MiB after warm-up -> {row['end_mib']:7.1f} MiB at the end "
-            f"({row['drift_mib']:+.1f} MiB, {row['drift_pct']}%)")
+        log(f"RSS {name:>16}: {row['warm_mib']:7.1f} MiB after warm-up, {row['half_mib']:7.1f} at half time, "
+            f"{row['end_mib']:7.1f} at the end ({row['drift_mib']:+.1f} MiB since warm-up, "
+            f"{row['second_half_drift_mib']:+.1f} MiB in the second half)")
     log(f"peak blocks used: {result['peak_blocks_used']}")
     log(f"after drain: {result['after_drain']}")
     for line in result["unexpected"][:10]:
