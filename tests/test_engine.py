@@ -333,3 +333,39 @@ def test_abort_of_a_queued_reservation(prompts):
         loop.stop()
     engine.kv_failed("hog", recompute=False, reason="test over")
     assert engine.num_free_blocks == 16
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_kv_failure_of_a_queued_reservation(prompts, reference, recompute):
+    """The K/V of a remote-KV request that is still queued for blocks will not come (its prefill
+    died): it must become a local request (recompute) or end with the reason, not wait for KV forever
+    (the fault matrix once saw such a request hang until the router's deadline)."""
+    engine = make_engine(num_blocks=16)
+    engine.reserve_for_remote_kv("hog", prompts[5], GREEDY, len(prompts[5]) - 1)     # 7 of 16 blocks
+    loop = EngineLoop(engine)
+    finished = threading.Event()
+    tokens, outputs = [], []
+
+    def on_output(out):
+        tokens.extend(out.new_token_ids)
+        outputs.append(out)
+        if out.finished:
+            finished.set()
+
+    loop.submit_remote("queued", prompts[7], GREEDY, len(prompts[7]) - 1, on_output,
+                       lambda blocks, num_local: pytest.fail("no block was free for it"))
+    loop.start()
+    try:
+        time.sleep(0.2)
+        assert loop.stats()["num_waiting"] == 1                  # 10 blocks needed, 9 free
+        loop.kv_failed("queued", recompute, "the prefill worker died").result(10)
+        loop.call(lambda: engine.kv_failed("hog", recompute=False, reason="room for the recompute")).result(10)
+        assert finished.wait(30)
+        if recompute:
+            assert outputs[-1].finish_reason == "length" and tokens == reference[7]
+        else:
+            assert outputs[-1].finish_reason == "error" and "prefill worker died" in outputs[-1].error
+        assert loop.is_alive() and not loop.knows("queued")
+    finally:
+        loop.stop()
+    assert engine.num_free_blocks == 16

@@ -131,20 +131,36 @@ MATRIX_TOKENS = 48          # long enough that a decode worker killed after 4 to
 SHM_SEGMENT = re.compile(r"^kvh\.\d+\.(\d+)\.")
 
 
+MATRIX_REQUESTS = 2 * len(PROMPTS)     # each prompt as a completion and as a chat
+
+
 def matrix_body(i: int) -> dict:
-    return body(PROMPTS[i % len(PROMPTS)], max_tokens=MATRIX_TOKENS)
+    """Request i of the matrix: completions for even i, chat for odd i (a chat stream starts with a
+    role-only chunk, which the router must not send twice when it retries)."""
+    request = body(PROMPTS[(i // 2) % len(PROMPTS)], max_tokens=MATRIX_TOKENS)
+    if i % 2:
+        request["messages"] = [{"role": "user", "content": request.pop("prompt")}]
+    return request
+
+
+def path_of(request: dict) -> str:
+    return "/v1/chat/completions" if "messages" in request else "/v1/completions"
 
 
 @pytest.fixture(scope="module")
 def matrix_reference(healthy) -> list[str]:
-    return [httpx.post(f"{healthy['colocated'].url}/v1/completions", json=matrix_body(i), timeout=60)
-            .json()["choices"][0]["text"] for i in range(len(PROMPTS))]
+    answers = []
+    for i in range(MATRIX_REQUESTS):
+        request = matrix_body(i)
+        choice = httpx.post(healthy["colocated"].url + path_of(request), json=request, timeout=60).json()["choices"][0]
+        answers.append(choice["message"]["content"] if "messages" in request else choice["text"])
+    return answers
 
 
 def stream(url: str, request: dict) -> tuple[int, str, str | None, dict | None]:
-    """(status, text, error message, handoff object) of one streamed completion."""
-    text, error, handoff = "", None, None
-    with httpx.stream("POST", url + "/v1/completions", json={**request, "stream": True}, timeout=90) as r:
+    """(status, text, error message, handoff object) of one streamed completion or chat."""
+    text, error, handoff, roles = "", None, None, 0
+    with httpx.stream("POST", url + path_of(request), json={**request, "stream": True}, timeout=90) as r:
         if r.status_code != 200:
             r.read()
             return r.status_code, "", r.json()["error"]["message"], None
@@ -155,8 +171,11 @@ def stream(url: str, request: dict) -> tuple[int, str, str | None, dict | None]:
             if "error" in chunk:
                 error = chunk["error"]["message"]
             for choice in chunk.get("choices", []):
-                text += choice.get("text") or ""
+                delta = choice.get("delta") or {}
+                roles += "role" in delta
+                text += choice.get("text") or delta.get("content") or ""
             handoff = chunk.get("handoff", handoff)
+    assert roles == ("messages" in request), f"{roles} role chunks in one stream"
     return 200, text, error, handoff
 
 
@@ -189,16 +208,15 @@ def test_fault_matrix(tmp_path, healthy, matrix_reference, mode, role, spec):
                   tmp_path / "router.log", ROUTER_READY)
     killed = spec.startswith("kill_at")
     try:
-        n = 8
-        with ThreadPoolExecutor(n) as pool:
-            results = list(pool.map(lambda i: stream(router.url, matrix_body(i)), range(n)))
+        with ThreadPoolExecutor(MATRIX_REQUESTS) as pool:
+            results = list(pool.map(lambda i: stream(router.url, matrix_body(i)), range(MATRIX_REQUESTS)))
         errors = []
         for i, (status, text, error, handoff) in enumerate(results):
             if error is None:
-                assert status == 200 and text == matrix_reference[i % len(PROMPTS)], (i, status, text, handoff)
+                assert status == 200 and text == matrix_reference[i], (i, status, text, handoff)
             else:       # only a stream whose decode worker died after its first tokens may end this way
                 assert spec == "kill_at=decode" and status == 200 and faulty.url in error, (i, status, error)
-                assert matrix_reference[i % len(PROMPTS)].startswith(text) and text, (i, text)
+                assert matrix_reference[i].startswith(text) and text, (i, text)
                 errors.append(i)
         if killed:
             faulty.proc.wait(10)        # the fault fired (a worker killed at that phase, not stopped by us)
@@ -210,8 +228,8 @@ def test_fault_matrix(tmp_path, healthy, matrix_reference, mode, role, spec):
             slowed = [h["phases_ms"]["transfer"] for _, _, _, h in results if h[f"{role}_worker"] == faulty.url]
             assert slowed and min(slowed) >= 300, slowed      # the slow link shows where it belongs
         # The router still serves, and every pool, the survivors' and the faulty one's, is back at baseline.
-        status, text, error, _ = stream(router.url, matrix_body(1))
-        assert (status, text, error) == (200, matrix_reference[1], None)
+        status, text, error, _ = stream(router.url, matrix_body(3))
+        assert (status, text, error) == (200, matrix_reference[3], None)
         for server in [s for s in healthy.values()] + ([] if killed else [faulty]):
             h = wait_baseline(server, timeout=15)
             assert h["num_free_blocks"] == h["num_blocks"] and not h["num_pinned_handoffs"], h

@@ -79,10 +79,31 @@ class EngineLoop:
         """Queue a request whose first `num_kv_tokens` of K/V another worker delivers. As soon as the
         pool has room, blocks are reserved and `on_reserved(block_ids, num_local_tokens)` runs on the
         engine thread (the first num_local_tokens' K/V were found here already); the caller then fills
-        the rest and calls engine.kv_ready / kv_failed (through call())."""
+        the rest and calls engine.kv_ready (through call()) or kv_failed."""
         self.engine.validate(prompt_token_ids, params)
         self._post(_Submit(request_id, list(prompt_token_ids), params, on_output, time.monotonic(),
                            retain=retain, num_remote_kv_tokens=num_kv_tokens, on_reserved=on_reserved))
+
+    def kv_failed(self, request_id: str, recompute: bool, reason: str, settled: bool = True) -> Future:
+        """A remote-KV request's K/V will not come: recompute it here or end it with `reason`
+        (engine.kv_failed), also when it is still queued for blocks: then nothing was reserved, and
+        it simply becomes a local request (or an error) instead of waiting for KV nobody sends."""
+        def on_engine() -> RequestOutput | None:
+            queued = next((r for r in self._reservations if r.request_id == request_id), None)
+            if queued is None:
+                return self.engine.kv_failed(request_id, recompute, reason, settled=settled)
+            self._reservations.remove(queued)
+            if recompute:
+                try:
+                    self.engine.add_request(request_id, queued.prompt_token_ids, queued.params,
+                                            arrival=queued.arrival, retain=queued.retain)
+                    return None
+                except ValueError as exc:
+                    reason_now = str(exc)
+            else:
+                reason_now = reason
+            return RequestOutput(request_id, [], "", True, "error", len(queued.prompt_token_ids), 0, error=reason_now)
+        return self.call(on_engine)
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn()` on the engine thread between steps (the only thread that may touch the engine);

@@ -602,7 +602,7 @@ class Connector:
         if recompute is None:
             recompute = self.cfg.failure_policy == "recompute"
         log.warning("handoff %s: %s (%s)", incoming.handoff_id, reason, "recompute" if recompute else "fail")
-        self.loop.call(lambda: self.engine.kv_failed(incoming.handoff_id, recompute, reason, settled=settled))
+        self.loop.kv_failed(incoming.handoff_id, recompute, reason, settled=settled)
         if not settled:
             with self._lock:
                 self.incoming[f"settle:{incoming.handoff_id}"] = incoming

@@ -358,7 +358,8 @@ class Router:
         """A worker failed this request before the client saw any of its answer: give up this attempt
         (its legs released as if the client had left) and say whether to try once more, on workers
         other than the failed one. Only the worker's fault qualifies (5xx, unreachable, died), and only
-        when a healthy alternative exists: the same worker would most likely fail the same way."""
+        when a healthy alternative exists: the same worker would most likely fail the same way.
+        The retry avoids both workers of the failed attempt where it can."""
         worker = failure.worker if isinstance(failure, (Relay, WorkerFailure)) else None
         status = failure.status if isinstance(failure, (Relay, P.APIError)) else 500
         if isinstance(failure, WorkerFailure) and failure.code != "bad_worker_answer" and self.config.health_interval > 0:
@@ -372,7 +373,10 @@ class Router:
         log.warning("handoff %s: %s; retrying once on other workers", ctx.handoff_id, reason)
         self.metrics.retries.labels(self.mode, worker.role).inc()
         await self.release_legs(ctx)
-        ctx.excluded.add(worker.url)
+        # Both of the attempt's workers, not just the one that answered the error: a decode worker's
+        # 502 may be about its prefill peer ("prefill worker ... unreachable"). Exclusion only orders
+        # the choice, so a role with no other worker still gets one.
+        ctx.excluded |= {w.url for w in (ctx.prefill, ctx.decode, worker) if w is not None}
         ctx.retry_reason = reason
         ctx.next_attempt()
         return True
@@ -512,14 +516,16 @@ class Router:
             except httpx.TransportError as e:
                 failure = worker_failure(ctx.decode, e)
                 try:
-                    retry = await self.retry_elsewhere(ctx, failure)
-                    if retry:
-                        resp = await self.open_answer(ctx, body)
+                    if await self.retry_elsewhere(ctx, failure):
+                        async with asyncio.timeout_at(ctx.deadline):
+                            resp = await self.open_answer(ctx, body)
                         events, held = sse_events(resp), []
                         continue
                 except (Relay, P.APIError) as e2:
                     failure = e2
-                ctx.status = "502"
+                except TimeoutError:
+                    failure = deadline_error(self.config.request_timeout)
+                ctx.status = str(getattr(failure, "status", 502))
                 message = failure_message(failure)
                 if ctx.retry_reason:
                     message += f" (retried after: {ctx.retry_reason})"

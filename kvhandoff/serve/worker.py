@@ -271,7 +271,10 @@ class WorkerHandoff:
         try:
             r = await self.http.post(f"{kv.prefill_url}/kv/register", json=body)
             if r.status_code >= 400:
-                reason = r.json().get("error", {}).get("message", r.text)
+                try:
+                    reason = r.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    reason = f"{r.status_code} {r.text[:200]}"
                 self.connector.fail_incoming(kv.handoff_id, f"prefill refused the registration: {reason}")
             else:
                 self.connector.cfg.faults.reached("registered", kv.handoff_id)
