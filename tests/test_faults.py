@@ -128,10 +128,8 @@ DEGRADED = [("pull", "decode", "read_fail"), ("push", "prefill", "write_fail"),
             ("pull", "decode", "drop=release"), ("push", "prefill", "drop=done"),
             ("pull", "decode", "delay_ms=300"), ("push", "prefill", "delay_ms=300")]
 MATRIX_TOKENS = 48          # long enough that a decode worker killed after 4 tokens dies mid-stream
-SHM_SEGMENT = re.compile(r"^kvh\.\d+\.(\d+)\.")
-
-
 MATRIX_REQUESTS = 2 * len(PROMPTS)     # each prompt as a completion and as a chat
+SHM_SEGMENT = re.compile(r"^kvh\.\d+\.(\d+)\.")
 
 
 def matrix_body(i: int) -> dict:
