@@ -53,6 +53,7 @@ class FakeWorker:
         self.told_failed: list[dict] = []      # /kv/failed bodies
         self.streams_closed_early: list[str] = []
         self.cancelled: list[str] = []
+        self.fail_status: int | None = None    # answer every generate call with this error status
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=self.port, log_level="warning"))
@@ -102,6 +103,9 @@ class FakeWorker:
             self.calls.setdefault(hid, []).append({"body": body, "auth": request.headers.get("authorization"),
                                                    "path": request.url.path, "t": time.monotonic()})
             fake = body.get("fake", {}).get(kv.get("role", ""), {})
+            if self.fail_status:
+                return JSONResponse({"error": {"message": f"fake {self.role} worker failing", "type": "server_error",
+                                               "param": None, "code": None}}, status_code=self.fail_status)
             deadline = time.monotonic() + fake.get("delay", 0)
             while time.monotonic() < deadline:      # like a real worker: a client that leaves aborts us
                 if await request.is_disconnected():
@@ -128,15 +132,17 @@ class FakeWorker:
                 return {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "".join(words),
                         "finish_reason": "length"}], "handoff": handoff}
             # Like a real worker: a plain (colocated) request gets no handoff object.
-            return StreamingResponse(self.sse(hid, words, fake.get("gap", 0.0), handoff if kv else None),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self.sse(hid, words, fake.get("gap", 0.0), handoff if kv else None,
+                                              fake.get("break_after")), media_type="text/event-stream")
 
         return app
 
-    async def sse(self, hid, words, gap, handoff):
+    async def sse(self, hid, words, gap, handoff, break_after=None):
         done = False
         try:
             for i, w in enumerate(words):
+                if i == break_after:        # the connection breaks mid-stream, as if the worker died
+                    raise RuntimeError("fake worker dies mid-stream")
                 last = i == len(words) - 1
                 chunk = {"id": "cmpl-1", "object": "text_completion",
                          "choices": [{"index": 0, "text": w, "finish_reason": "length" if last else None}]}
@@ -464,6 +470,56 @@ def test_router_never_holds_a_client_past_its_deadline(fakes, tmp_path, mode):
         wait_until(lambda: router_idle(router.url), "in-flight counts not back to 0")
     finally:
         router.stop()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_failed_worker_is_replaced_before_the_first_token(fakes, tmp_path, mode):
+    """A decode worker that answers 5xx: the request is retried once on the other decode worker and
+    the client sees only the good answer (retried_elsewhere says why); a 4xx is relayed, not retried;
+    a stream that breaks after its first token ends with an error event, not a retry."""
+    prefill, good = fakes
+    bad = FakeWorker("decode")
+    bad.fail_status = 500
+    router = start_router(tmp_path, prefill.url, f"{bad.url},{good.url}", mode)
+    try:
+        retried = []
+        for i in range(4):      # round-robin: some requests go to the failing worker first
+            request = {"prompt": "hi", "stream": i % 2 == 1, "fake": {"tag": f"retry-{mode}-{i}"}}
+            if request["stream"]:
+                with httpx.stream("POST", router.url + "/v1/completions", json=request, timeout=20) as r:
+                    chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                              if line.startswith("data: ") and line != "data: [DONE]"]
+                assert r.status_code == 200 and "".join(c["choices"][0]["text"] for c in chunks) == "abc", chunks
+                handoff = chunks[-1]["handoff"]
+            else:
+                r = httpx.post(router.url + "/v1/completions", json=request, timeout=20)
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc", r.text
+                handoff = r.json()["handoff"]
+            assert handoff["decode_worker"] == good.url
+            tried_bad = any(c["body"]["fake"]["tag"] == request["fake"]["tag"] for calls in bad.calls.values()
+                            for c in calls)
+            assert ("retried_elsewhere" in handoff) == tried_bad, handoff
+            if tried_bad:
+                assert bad.url in handoff["retried_elsewhere"] and "500" in handoff["retried_elsewhere"]
+                retried.append(handoff["handoff_id"])
+        assert retried, "the failing worker was never tried: the test tested nothing"
+        metrics = httpx.get(router.url + "/metrics", timeout=10).text
+        assert f'kvhandoff_router_retries_total{{mode="{mode}",role="decode"}}' in metrics
+        bad.fail_status = 400         # the request's fault: it would fail anywhere, so it is relayed
+        statuses = {httpx.post(router.url + "/v1/completions", json={"prompt": "hi"}, timeout=20).status_code
+                    for _ in range(2)}
+        assert 400 in statuses
+        bad.fail_status = None
+        broken = {"prompt": "hi", "stream": True, "fake": {"decode": {"words": ["a", "b", "c", "d"], "break_after": 2}}}
+        with httpx.stream("POST", router.url + "/v1/completions", json=broken, timeout=20) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert [e["choices"][0]["text"] for e in events if e.get("choices")] == ["a", "b"]
+        assert "failed mid-request" in events[-1]["error"]["message"]
+        wait_until(lambda: router_idle(router.url), "in-flight counts not back to 0")
+    finally:
+        router.stop()
+        bad.stop()
 
 
 def test_router_health_models_metrics(routed):

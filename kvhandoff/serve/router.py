@@ -325,8 +325,9 @@ class Router:
             try:
                 await self.client.post(worker.url + path, json={"handoff_id": handoff_id, **fields},
                                        headers=self.auth, timeout=5.0)
-            except httpx.HTTPError as e:
-                log.warning("handoff %s: %s on %s failed: %s", handoff_id, path, worker.url, describe(e))
+            except httpx.HTTPError as e:     # a worker known to be down: expected, not worth a warning each
+                log.log(logging.WARNING if worker.healthy else logging.INFO, "handoff %s: %s on %s failed: %s",
+                        handoff_id, path, worker.url, describe(e))
         self.spawn(send())
 
     # -- one request ----------------------------------------------------------------------------------
