@@ -236,10 +236,9 @@ def test_fault_matrix(tmp_path, healthy, matrix_reference, mode, role, spec):
         assert router.stop() == 0, router.text()[-3000:]
         faulty.stop()
     assert our_children() == before        # the faulty worker and the router are gone, and reaped
-    dead = faulty.proc.pid
-    deadline = time.monotonic() + 10
-    while any(int(m[1]) == dead for m in map(SHM_SEGMENT.match, os.listdir("/dev/shm")) if m) and \
-            time.monotonic() < deadline:
+    def leftover() -> list[str]:
+        return [f for f in os.listdir("/dev/shm") if (m := SHM_SEGMENT.match(f)) and int(m[1]) == faulty.proc.pid]
+    deadline = time.monotonic() + 10        # agents sweep dead owners' segments every 5 s
+    while leftover() and time.monotonic() < deadline:
         time.sleep(0.2)
-    leftover = [f for f in os.listdir("/dev/shm") if (m := SHM_SEGMENT.match(f)) and int(m[1]) == dead]
-    assert not leftover, f"the faulty worker's shared memory outlived it: {leftover}"
+    assert not leftover(), f"the faulty worker's shared memory outlived it: {leftover()}"

@@ -62,6 +62,12 @@ def process_names(stack: Stack) -> dict[int, str]:
     return names
 
 
+def at_baseline(worker: dict) -> bool:
+    """A worker's pool (its /health, or the drain report's subset of it) is all free again."""
+    return (worker["num_free_blocks"] == worker["num_blocks"] and not worker.get("num_pinned_handoffs")
+            and not worker.get("num_quarantined"))
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace, stack: Stack):
         self.args, self.stack, self.url = args, stack, stack.url
@@ -177,9 +183,7 @@ class Soak:
         deadline = time.monotonic() + RETENTION_TTL_S * 2 + 30
         while True:
             workers = (await client.get(self.url + "/health")).json()["workers"]
-            settled = all(w["num_free_blocks"] == w["num_blocks"] and not w.get("num_pinned_handoffs")
-                          and not w.get("num_quarantined") for w in workers)
-            if settled or time.monotonic() > deadline:
+            if all(map(at_baseline, workers)) or time.monotonic() > deadline:
                 return {w["url"]: {k: w.get(k) for k in ("role", "num_free_blocks", "num_blocks", "num_pinned_handoffs",
                                                          "num_quarantined", "num_retained_blocks")} for w in workers}
             await asyncio.sleep(1.0)
@@ -198,8 +202,7 @@ class Soak:
             # a leak keeps growing: the second half of the run tells them apart.
             row["second_half_drift_mib"] = round(row["end_mib"] - row["half_mib"], 1)
         peak = {url: max(s["pools"].get(url, {}).get("used", 0) for s in self.samples) for url in drained}
-        leaks = [url for url, w in drained.items() if w["num_free_blocks"] != w["num_blocks"]
-                 or w["num_pinned_handoffs"] or w["num_quarantined"]]
+        leaks = [url for url, w in drained.items() if not at_baseline(w)]
         return {"minutes": self.args.minutes, "mode": self.args.mode, "model": self.args.model,
                 "concurrency": self.args.concurrency, "git_commit": git_commit(), "outcomes": dict(self.outcomes),
                 "unexpected": self.unexpected, "rss": rss, "peak_blocks_used": peak, "after_drain": drained,

@@ -89,20 +89,10 @@ class EngineLoop:
         (engine.kv_failed), also when it is still queued for blocks: then nothing was reserved, and
         it simply becomes a local request (or an error) instead of waiting for KV nobody sends."""
         def on_engine() -> RequestOutput | None:
-            queued = next((r for r in self._reservations if r.request_id == request_id), None)
+            queued = self._unqueue(request_id)
             if queued is None:
                 return self.engine.kv_failed(request_id, recompute, reason, settled=settled)
-            self._reservations.remove(queued)
-            if recompute:
-                try:
-                    self.engine.add_request(request_id, queued.prompt_token_ids, queued.params,
-                                            arrival=queued.arrival, retain=queued.retain)
-                    return None
-                except ValueError as exc:
-                    reason_now = str(exc)
-            else:
-                reason_now = reason
-            return RequestOutput(request_id, [], "", True, "error", len(queued.prompt_token_ids), 0, error=reason_now)
+            return self._start_local(queued) if recompute else _ended(queued, "error", reason)
         return self.call(on_engine)
 
     def call(self, fn: Callable[[], object]) -> Future:
@@ -181,11 +171,8 @@ class EngineLoop:
 
     def _apply(self, item: _Submit | _Call | str) -> RequestOutput | None:
         if isinstance(item, str):
-            waiting = next((r for r in self._reservations if r.request_id == item), None)
-            if waiting is not None:         # never reserved: nothing to free
-                self._reservations.remove(waiting)
-                return RequestOutput(item, [], "", True, "abort", len(waiting.prompt_token_ids), 0)
-            return self.engine.abort(item)
+            queued = self._unqueue(item)
+            return self.engine.abort(item) if queued is None else _ended(queued, "abort")
         if isinstance(item, _Call):
             try:
                 result = item.fn()
@@ -195,19 +182,27 @@ class EngineLoop:
                 return None
             item.result.set_result(result)
             return result if isinstance(result, RequestOutput) else None
+        self._callbacks[item.request_id] = item.on_output
         if item.num_remote_kv_tokens is not None:
-            self._callbacks[item.request_id] = item.on_output
             self._reservations.append(item)
             return None
+        return self._start_local(item)
+
+    def _start_local(self, item: _Submit) -> RequestOutput | None:
+        """Hand a submission to the engine; the error output if the engine refuses it."""
         try:
             self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, arrival=item.arrival,
                                     prefill_only=item.prefill_only, retain=item.retain, preloaded=item.preloaded)
         except ValueError as exc:
-            item.on_output(RequestOutput(item.request_id, [], "", True, "error", len(item.prompt_token_ids),
-                                         0, error=str(exc)))
-            return None
-        self._callbacks[item.request_id] = item.on_output
+            return _ended(item, "error", str(exc))
         return None
+
+    def _unqueue(self, request_id: str) -> _Submit | None:
+        """Take a remote-KV request out of the queue for blocks, if it is still there (nothing reserved)."""
+        queued = next((r for r in self._reservations if r.request_id == request_id), None)
+        if queued is not None:
+            self._reservations.remove(queued)
+        return queued
 
     def _reserve(self) -> list[RequestOutput]:
         """Reserve blocks for queued remote-KV requests, oldest first, while the pool has room."""
@@ -220,8 +215,7 @@ class EngineLoop:
                                                            retain=item.retain)
             except ValueError as exc:
                 self._reservations.pop(0)
-                outputs.append(RequestOutput(item.request_id, [], "", True, "error", len(item.prompt_token_ids),
-                                             0, error=str(exc)))
+                outputs.append(_ended(item, "error", str(exc)))
                 continue
             if blocks is None:
                 break               # FIFO: later requests wait behind the first, as in the scheduler
@@ -238,3 +232,8 @@ class EngineLoop:
                 callback(out)
             except Exception:           # a broken consumer must not stop the engine
                 log.exception("output callback for %s failed", out.request_id)
+
+
+def _ended(item: _Submit, finish_reason: str, error: str | None = None) -> RequestOutput:
+    """The final output of a submission that ended before the engine computed anything for it."""
+    return RequestOutput(item.request_id, [], "", True, finish_reason, len(item.prompt_token_ids), 0, error=error)

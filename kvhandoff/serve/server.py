@@ -108,17 +108,23 @@ class Server:
         # more waits up to queue_wait_s for a slot, then gets 429 with Retry-After. None: unbounded.
         self.max_in_flight, self.queue_wait_s = max_in_flight, queue_wait_s
         self.in_flight = 0
+        self.slot_freed = asyncio.Event()       # set by leave(): waiters in admit() look again
 
     async def admit(self) -> None:
         """Take a slot (asyncio thread only), waiting a bounded time for one; 429 if none frees up."""
         if self.max_in_flight is not None:
             deadline = time.monotonic() + self.queue_wait_s
             while self.in_flight >= self.max_in_flight:
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise P.APIError(429, f"the server is at capacity ({self.in_flight} requests in flight, its limit "
                                      f"--max-in-flight); retry later", type="server_busy", code="server_busy",
                                      retry_after=max(1, round(self.queue_wait_s)))
-                await asyncio.sleep(0.02)
+                self.slot_freed.clear()
+                try:
+                    await asyncio.wait_for(self.slot_freed.wait(), left)
+                except TimeoutError:
+                    pass
         self.in_flight += 1
 
     async def prefill(self, kv, request: Request, prompt_ids: list[int], params: SamplingParams) -> Response:
@@ -138,6 +144,7 @@ class Server:
     def leave(self) -> None:
         assert self.in_flight > 0
         self.in_flight -= 1
+        self.slot_freed.set()
 
     # -- validation ---------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:

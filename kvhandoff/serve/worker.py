@@ -45,9 +45,11 @@ class KVRequest:
         return None if self.remote is None else list(self.remote["prompt_token_ids"])
 
 
-def check_remote(remote: dict) -> None:
+def check_remote(remote) -> None:
     """A pull decode's handoff object must be whole and well-typed before anything acts on it: it
     comes from the router, which got it from a prefill worker, but a control endpoint trusts no body."""
+    if not isinstance(remote, dict):
+        raise P.APIError(400, "a pull decode needs kv_transfer_params.remote", param="kv_transfer_params.remote")
     def int_list(value) -> bool:
         return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     checks = {"prompt_token_ids": int_list, "block_ids": int_list, "checksums": int_list,
@@ -100,8 +102,6 @@ class WorkerHandoff:
                              param="kv_transfer_params.mode")
         if kv.role != self.role:
             raise P.APIError(400, f"this worker's role is {self.role}, not {kv.role}", param="kv_transfer_params.role")
-        if kv.role == "decode" and kv.mode in PULL_MODES and not isinstance(kv.remote, dict):
-            raise P.APIError(400, "a pull decode needs kv_transfer_params.remote", param="kv_transfer_params.remote")
         if kv.role == "decode" and kv.mode in PULL_MODES:
             check_remote(kv.remote)
         if kv.role == "decode" and kv.mode not in PULL_MODES and not kv.prefill_url:
