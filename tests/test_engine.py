@@ -369,3 +369,59 @@ def test_kv_failure_of_a_queued_reservation(prompts, reference, recompute):
     finally:
         loop.stop()
     assert engine.num_free_blocks == 16
+
+
+def test_a_queued_reservation_gets_blocks_freed_by_the_last_step(prompts):
+    """A remote-KV request queued for blocks must get them as soon as a running request finishes,
+    even when nothing else happens afterwards: the loop once went to sleep after that last step and
+    left the reservation queued until some unrelated message woke it (the fault matrix saw streams
+    hang until the router's deadline)."""
+    engine = make_engine(num_blocks=16)
+    loop = EngineLoop(engine)
+    running, finished, reserved = threading.Event(), threading.Event(), threading.Event()
+
+    def on_runner(out):
+        running.set()
+        if out.finished:
+            finished.set()
+
+    loop.start()
+    try:
+        loop.submit("runner", prompts[5], GREEDY, on_runner)         # 7 of 16 blocks while it runs
+        assert running.wait(30)
+        loop.submit_remote("queued", prompts[7], GREEDY, len(prompts[7]) - 1, lambda out: None,
+                           lambda blocks, num_local: reserved.set())                  # needs 10
+        assert finished.wait(30)
+        assert reserved.wait(5), "the reservation still waits although the runner's blocks are free"
+        loop.call(lambda: engine.kv_failed("queued", recompute=False, reason="test over")).result(10)
+    finally:
+        loop.stop()
+    assert engine.num_free_blocks == 16
+
+
+def test_a_loop_that_can_run_nothing_sleeps(prompts, reference):
+    """A waiting request for which the pool has no room (its blocks are reserved for K/V in flight)
+    can only start once a message frees blocks: until then the loop must sleep, not step in a
+    circle (it once spun a whole core, which a 2-core host's prefill worker needed)."""
+    engine = make_engine(num_blocks=16)
+    engine.reserve_for_remote_kv("hog", prompts[5], GREEDY, len(prompts[5]) - 1)     # 7 of 16 blocks
+    loop = EngineLoop(engine)
+    finished, tokens = threading.Event(), []
+
+    def on_output(out):
+        tokens.extend(out.new_token_ids)
+        if out.finished:
+            finished.set()
+
+    loop.start()
+    try:
+        loop.submit("big", prompts[7], GREEDY, on_output)                             # needs 10
+        time.sleep(0.3)
+        steps = loop.num_steps
+        time.sleep(0.5)
+        assert loop.num_steps == steps and not finished.is_set(), f"{loop.num_steps - steps} idle steps"
+        loop.call(lambda: engine.kv_failed("hog", recompute=False, reason="room for big")).result(10)
+        assert finished.wait(30) and tokens == reference[7]
+    finally:
+        loop.stop()
+    assert engine.num_free_blocks == 16

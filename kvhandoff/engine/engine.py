@@ -74,6 +74,9 @@ class LLMEngine:
         # or given up on): they return to the pool only when the transfer settles.
         self.quarantine: dict[str, list[int]] = {}
         self._done_at_once: list[RequestOutput] = []    # finished at admission, reported by the next step
+        # The last step could run nothing (waiting requests, no room for any) and changed nothing:
+        # only something from outside (blocks freed, a request added or aborted) can change that.
+        self.stalled = False
         # Finished `retain` requests' KV, least recently used first. Evicted (on_evict told) whenever a
         # request needs the blocks: running requests always win over retained history.
         self.retained: OrderedDict[str, RetainedKV] = OrderedDict()
@@ -282,7 +285,10 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         done, self._done_at_once = self._done_at_once, []
+        num_preemptions = self.scheduler.num_preemptions
         chunks = self.scheduler.schedule()
+        # (A step that preempted everyone freed blocks: the next one may admit someone.)
+        self.stalled = not chunks and self.scheduler.num_preemptions == num_preemptions
         if not chunks:
             return done
         now = time.monotonic()

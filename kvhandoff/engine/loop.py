@@ -151,23 +151,33 @@ class EngineLoop:
                 callback(RequestOutput(request_id, [], "", True, "error", 0, 0, error=self.fatal_error))
 
     def _serve(self) -> None:
+        progressed = False      # the last step ran something: it may have freed blocks
         while True:
             with self._wake:
-                while not self._inbox and not self._stopping and not self.engine.has_work():
-                    # Reservations retry when blocks may have come back, i.e. after something ran;
-                    # an idle engine frees nothing, but a call() (a release) may: it wakes us.
+                while not self._inbox and not self._stopping and self._idle(progressed):
                     self._wake.wait()
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []
             outputs = [out for item in inbox if (out := self._apply(item)) is not None]
             outputs += self._reserve()
+            progressed = False
             if self.engine.has_work():
                 outputs += self.engine.step()
                 self.num_steps += 1
+                progressed = not self.engine.stalled
             self._deliver(outputs)
         # Shutdown: end everything still in flight so callers are not left waiting.
         self._deliver([out for rid in list(self.engine.requests) if (out := self.engine.abort(rid))])
+
+    def _idle(self, progressed: bool) -> bool:
+        """Nothing to do until a message comes: the engine has no work, or none it can run (a stalled
+        step would only spin), and the queue for blocks has nothing to retry. Reservations retry after
+        a step that ran (the last step of a request frees its blocks, and then the engine may have no
+        work left) or a message (a call() that releases blocks wakes us)."""
+        if self.engine.has_work() and not self.engine.stalled:
+            return False
+        return not (progressed and self._reservations)
 
     def _apply(self, item: _Submit | _Call | str) -> RequestOutput | None:
         if isinstance(item, str):

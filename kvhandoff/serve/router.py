@@ -512,6 +512,8 @@ class Router:
                     lines = await anext(events, None)
             except TimeoutError:
                 ctx.status = "504"
+                log.warning("handoff %s: the stream did not end within --request-timeout %g s (%s)",
+                            ctx.handoff_id, self.config.request_timeout, attempt_workers(ctx))
                 yield "".join(held) + sse_event(deadline_error(self.config.request_timeout).body()) + DONE
                 return
             except httpx.TransportError as e:
@@ -698,7 +700,7 @@ class Router:
             log.error("handoff %s failed in the router", ctx.handoff_id, exc_info=err)
             err = P.APIError(500, "internal router error; see the router log")
         elif err.status >= 500:
-            log.warning("handoff %s: %s", ctx.handoff_id, err.message)
+            log.warning("handoff %s: %s (%s)", ctx.handoff_id, err.message, attempt_workers(ctx))
         ctx.status = str(err.status)
         return JSONResponse(err.body(), status_code=err.status)
 
@@ -819,6 +821,12 @@ def failure_message(failure: BaseException) -> str:
         detail = error.get("message") if isinstance(error, dict) else None
         return f"{failure}: {detail}" if detail else str(failure)
     return getattr(failure, "message", None) or str(failure)
+
+
+def attempt_workers(ctx: Handoff) -> str:
+    """The workers of the request's current attempt, for a log line."""
+    named = [f"{w.role} worker {w.url}" for w in (ctx.prefill, ctx.decode) if w is not None]
+    return " and ".join(named) or "no worker yet"
 
 
 def deadline_error(seconds: float) -> P.APIError:
