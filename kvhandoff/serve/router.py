@@ -104,6 +104,9 @@ class Worker:
     healthy: bool = True         # until a poll says otherwise
     last_health: dict = field(default_factory=dict)
 
+    def __str__(self) -> str:         # how messages and logs name it
+        return f"{self.role} worker {self.url}"
+
 
 class WorkerFailure(P.APIError):
     """A worker could not be reached, broke off its answer, or answered garbage (502)."""
@@ -117,7 +120,7 @@ class Relay(Exception):
     """A worker's own error answer (4xx/5xx), relayed to the client with its status and body."""
 
     def __init__(self, worker: Worker, status: int, body: dict, retry_after: str | None = None):
-        super().__init__(f"{worker.role} worker {worker.url} answered {status}")
+        super().__init__(f"{worker} answered {status}")
         self.worker, self.status, self.body, self.retry_after = worker, status, body, retry_after
 
 
@@ -300,7 +303,7 @@ class Router:
         except ValueError:
             data = None
         if not isinstance(data, dict):
-            raise WorkerFailure(worker, f"the {worker.role} worker {worker.url} answered something that is not "
+            raise WorkerFailure(worker, f"the {worker} answered something that is not "
                                 "a JSON object", "bad_worker_answer")
         return data
 
@@ -456,7 +459,7 @@ class Router:
 
     async def retry_colocated(self, ctx: Handoff, body: dict, failure: BaseException) -> httpx.Response:
         """Send the client's request, as it came, to the decode worker: it computes it colocated."""
-        reason = getattr(failure, "message", None) or str(failure)
+        reason = failure_message(failure)
         log.warning("handoff %s: prefill failed (%s); retrying colocated", ctx.handoff_id, reason)
         if ctx.decode is None:
             ctx.decode = self.pick(ctx, self.decodes)
@@ -803,15 +806,15 @@ async def error_json(worker: Worker, resp: httpx.Response) -> dict:
     except ValueError:
         pass
     text = raw.decode(errors="replace").strip()[:300]
-    return P.error_body(f"the {worker.role} worker {worker.url} answered {resp.status_code}: {text}",
+    return P.error_body(f"the {worker} answered {resp.status_code}: {text}",
                         "invalid_request_error" if resp.status_code < 500 else "server_error")
 
 
 def worker_failure(worker: Worker, e: httpx.TransportError) -> WorkerFailure:
     if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return WorkerFailure(worker, f"cannot reach the {worker.role} worker {worker.url}: {describe(e)}",
+        return WorkerFailure(worker, f"cannot reach the {worker}: {describe(e)}",
                              "worker_unreachable")
-    return WorkerFailure(worker, f"the {worker.role} worker {worker.url} failed mid-request: {describe(e)}",
+    return WorkerFailure(worker, f"the {worker} failed mid-request: {describe(e)}",
                          "worker_failed")
 
 
@@ -825,7 +828,7 @@ def failure_message(failure: BaseException) -> str:
 
 def attempt_workers(ctx: Handoff) -> str:
     """The workers of the request's current attempt, for a log line."""
-    named = [f"{w.role} worker {w.url}" for w in (ctx.prefill, ctx.decode) if w is not None]
+    named = [str(w) for w in (ctx.prefill, ctx.decode) if w is not None]
     return " and ".join(named) or "no worker yet"
 
 
