@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 from kvhandoff.config import EngineConfig
+from kvhandoff.handoff import modes
+from kvhandoff.handoff.modes import COLOCATED, Mode
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -85,7 +87,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-faults", default=None, metavar="SPEC",
                    help="TESTING ONLY: make this worker's transfers fail or slow, its notifications vanish, or "
                         "kill it at a phase, e.g. read_fail, write_fail, slow_ms=300, drop=done+release, "
-                        "delay_ms=500, kill_at=registered|transfer|decode (kvhandoff/handoff/faults.py)")
+                        "delay_ms=500, step_ms=200, kill_at=registered|transfer|decode (kvhandoff/handoff/faults.py)")
     g = p.add_argument_group("bidirectional multi-turn reuse (with the router's --bidirectional)")
     g.add_argument("--bidirectional", action="store_true",
                    help="decode: keep each finished turn's KV for the conversation's next turn; prefill: read "
@@ -135,39 +137,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "both":
         engine = LLMEngine(engine_config(args))
     else:
+        from kvhandoff.handoff.faults import Faults
+        from kvhandoff.handoff.messages import PROTOCOL
         from kvhandoff.serve.auth import SECRET_ENV, resolve_secret
         from kvhandoff.transfer.agent import TransferAgent
         secret = resolve_secret(args.kv_secret)
         if not secret:
             raise SystemExit(f"--role {args.role} needs the deployment secret: --kv-secret or ${SECRET_ENV}")
+        try:
+            faults = Faults.parse(args.inject_faults)
+        except ValueError as exc:
+            raise SystemExit(f"kvhandoff serve: --inject-faults: {exc}") from None
         worker_name = f"{args.role}-{args.port}-{os.getpid()}"
         agent = TransferAgent(worker_name, secret, backend=args.kv_backend, listen_host=args.kv_host or args.host,
-                              shm_dir=args.kv_shm_dir)
+                              shm_dir=args.kv_shm_dir, protocol=PROTOCOL)
         engine = LLMEngine(engine_config(args), kv_allocator=lambda nbytes: agent.allocate_region("kv", nbytes))
     loop = EngineLoop(engine)
-    loop.start()
     try:
         max_in_flight = args.max_in_flight if args.max_in_flight > 0 else None
         app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model), max_in_flight, args.queue_wait_s)
         if agent is not None:
-            from kvhandoff.handoff.connector import Connector, HandoffConfig
-            from kvhandoff.handoff.faults import Faults
-            from kvhandoff.handoff.retention import RetentionConfig
-            from kvhandoff.handoff.reuse import ReuseConfig
+            from kvhandoff.handoff.config import HandoffConfig, RetentionConfig, ReuseConfig
+            from kvhandoff.handoff.connector import Connector
             from kvhandoff.serve.worker import WorkerHandoff, attach_worker_routes
-            try:
-                faults = Faults.parse(args.inject_faults)
-            except ValueError as exc:
-                raise SystemExit(f"kvhandoff serve: --inject-faults: {exc}") from None
             if faults.any:
                 log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)
+            loop.step_delay_s = faults.step_ms / 1000
             handoff_cfg = HandoffConfig(args.lease_s, args.kv_timeout_s, args.kv_load_failure_policy,
                                         bidirectional=args.bidirectional,
                                         retention=RetentionConfig(args.retention_ttl, args.retention_max_bytes),
                                         reuse=ReuseConfig(args.reuse_min_tokens, args.reuse_policy),
                                         faults=faults)
+            # Wired before anything runs: the connector's threads start once it is whole, and the
+            # engine loop once the engine has its connector.
             connector = Connector(loop, agent, handoff_cfg, worker_name)
             attach_worker_routes(app, WorkerHandoff(app.state.server, connector, args.role, secret))
+            connector.start()
+        loop.start()
 
         def ready(url: str) -> None:
             print(f"kvhandoff: serving '{engine.served_name}' at {url}/v1 "
@@ -306,10 +312,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     where the plots are."""
     (shortest, longest, output, requests), (new_tokens, answer) = DEMO_SIZES.get(args.model, DEMO_SIZES["smollm2"])
     runs = {
-        "grid": ["--launch", "colocated,pull,push,push-layerwise", "--workload", "grid", "--rates", "0.5,0.9",
+        "grid": ["--launch", ",".join([COLOCATED, Mode.PULL, Mode.PUSH, Mode.PUSH_LAYERWISE]), "--workload", "grid",
+                 "--rates", "0.5,0.9",
                  "--requests", str(requests), "--capacity-requests", "6", "--shortest", str(shortest),
                  "--longest", str(longest), "--output-tokens", str(output), "--launch-args=--no-prefix-caching"],
-        "multiturn": ["--launch", "push,push+bidirectional", "--workload", "multiturn", "--conversations", "2",
+        "multiturn": ["--launch", f"{Mode.PUSH},{Mode.PUSH}+bidirectional", "--workload", "multiturn", "--conversations", "2",
                       "--turns", "4", "--new-tokens", str(new_tokens), "--answer-tokens", str(answer),
                       "--think-s", "1", "--launch-args=--prefill-args=--no-prefix-caching"],
     }
@@ -366,8 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=cmd_router.__doc__)
     p.add_argument("--prefill", required=True, metavar="URL[,URL...]", help="prefill workers' base URLs")
     p.add_argument("--decode", required=True, metavar="URL[,URL...]", help="decode workers' base URLs")
-    p.add_argument("--mode", required=True, choices=["pull", "pull-reader", "push", "push-layerwise"],
-                   help="handoff protocol (docs/HANDOFF.md)")
+    p.add_argument("--mode", required=True, choices=modes.NAMES, help="handoff protocol (docs/HANDOFF.md)")
     p.add_argument("--kv-secret", default=None,
                    help="the deployment secret; prefer the environment variable KVHANDOFF_SECRET (a command "
                         "line is visible to every local user)")
@@ -388,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start workers and router locally in one command",
                        description=cmd_up.__doc__)
-    p.add_argument("--mode", required=True, choices=["colocated", "pull", "pull-reader", "push", "push-layerwise"],
+    p.add_argument("--mode", required=True, choices=modes.STACK_MODES,
                    help="colocated runs one worker on the front port, without a router")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default: %(default)s)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
@@ -414,9 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--target", metavar="URL", help="any OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     which.add_argument("--launch", metavar="MODE[,MODE...]",
-                       help="start `kvhandoff up --mode MODE` for each mode in turn (colocated, pull, pull-reader, "
-                            "push, push-layerwise; `+bidirectional` or `+retry-colocated` adds that flag, e.g. "
-                            "push+bidirectional), measure, stop it")
+                       help=f"start `kvhandoff up --mode MODE` for each mode in turn ({', '.join(modes.STACK_MODES)}; "
+                            "`+bidirectional` or `+retry-colocated` adds that flag, e.g. push+bidirectional), "
+                            "measure, stop it")
     p.add_argument("--workload", default="grid",
                    help="grid, multiturn, or a JSON-lines file to replay (see kvhandoff/bench/workload.py) "
                         "(default: %(default)s)")

@@ -1,5 +1,7 @@
 """Plays the router from inside a network namespace (test_handoff_netns.py runs it there): waits for
-a prefill and a decode worker at real addresses, runs each handoff mode, prints JSON results."""
+a prefill and a decode worker at real addresses, runs each handoff mode (or those named in the third
+argument, on the prompts whose indices the fourth names), prints JSON results: the text, the decode
+worker's handoff object, and the prefill worker's."""
 from __future__ import annotations
 
 import json
@@ -25,14 +27,19 @@ def wait_healthy(url: str, timeout: float = 120) -> None:
 
 def main() -> None:
     prefill, decode = sys.argv[1], sys.argv[2]
+    modes = sys.argv[3].split(",") if len(sys.argv) > 3 else MODES
+    prompts = [PROMPTS[int(i)] for i in sys.argv[4].split(",")] if len(sys.argv) > 4 else PROMPTS[:4]
     for url in (prefill, decode):
         wait_healthy(url)
     results = {}
-    for mode in MODES:
+    for mode in modes:
         results[mode] = []
-        for prompt in PROMPTS[:4]:
-            _, response = disaggregated(prefill, decode, mode, body(prompt))
-            results[mode].append({"text": response["choices"][0]["text"], "handoff": response["handoff"]})
+        for prompt in prompts:
+            prefill_side, response = disaggregated(prefill, decode, mode, body(prompt))
+            results[mode].append({"text": response["choices"][0]["text"], "handoff": response["handoff"],
+                                  "prefill_handoff": {k: v for k, v in prefill_side.items()
+                                                      if k not in ("block_ids", "checksums", "prompt_token_ids",
+                                                                   "agent_metadata")}})
     health = {url: httpx.get(f"{url}/health", timeout=5).json() for url in (prefill, decode)}
     print(json.dumps({"results": results, "health": health}))
 

@@ -8,26 +8,32 @@ import time
 import httpx
 import pytest
 from conftest import ServerProcess
+from test_engine import Recorder
 from test_engine import run_until_finished as finish
 from test_router import start_up
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.block_pool import hash_chain
 from kvhandoff.engine.engine import LLMEngine
+from kvhandoff.engine.holds import Hold
 from kvhandoff.engine.request import SamplingParams
-from kvhandoff.handoff.reuse import CostModel, ReuseConfig, decide
-from kvhandoff.serve.sessions import SessionEntry, SessionMap
+from kvhandoff.handoff.config import ReuseConfig
+from kvhandoff.handoff.messages import ReuseCandidate
+from kvhandoff.handoff.reuse import CostModel, decide
+from kvhandoff.serve.router.sessions import SessionEntry, SessionMap
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def make_engine(**overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"model": "tiny", "dtype": "float32", "threads": 1, "num_blocks": 64,
-                                     **overrides}))
+    engine = LLMEngine(EngineConfig(**{"model": "tiny", "dtype": "float32", "threads": 1, "num_blocks": 64,
+                                       **overrides}))
+    engine.connect(Recorder())
+    return engine
 
 
 # ---------------------------------------------------------------------------------------------------
-# Engine: retention, eviction, local prefix on reservation, preloaded prompts
+# Engine: retention, eviction, local prefix on reservation, a fetched prefix
 
 def test_retained_kv_is_kept_reused_and_evicted_under_pressure():
     engine = make_engine(num_blocks=16)
@@ -41,7 +47,9 @@ def test_retained_kv_is_kept_reused_and_evicted_under_pressure():
     assert len(entry.block_ids) == 4 and engine.num_free_blocks == 12
     # The next turn, arriving from a prefill worker: the retained blocks need not travel again.
     nxt = entry.token_ids + [answer[-1]] + list(range(200, 240))
-    blocks = engine.reserve_for_remote_kv("turn2", nxt, GREEDY, len(nxt))
+    engine.add_request("turn2", nxt, GREEDY, remote_tokens=len(nxt))
+    engine.step()
+    blocks = engine.connector.reservations["turn2"]
     assert engine.requests["turn2"].num_cached_tokens == 96 and blocks[:3] == entry.block_ids[:3]
     engine.kv_failed("turn2", recompute=False, reason="test over")
     # A reader in progress keeps an entry; pressure evicts the unread ones, least recently used first.
@@ -50,35 +58,39 @@ def test_retained_kv_is_kept_reused_and_evicted_under_pressure():
     entry.readers = 1
     engine.add_request("big", list(range(280, 280 + 32 * 9)), SamplingParams(max_tokens=1, ignore_eos=True))
     finish(engine, "big")
-    assert evicted == ["other"] and "turn1" in engine.retained
+    assert evicted == ["other"] and engine.retained("turn1") is entry
     entry.readers = 0
-    assert engine.release_retained("turn1") and not engine.release_retained("turn1")
-    assert engine.num_free_blocks == engine.num_blocks and not engine.retained
+    assert engine.release("turn1") and not engine.release("turn1")
+    assert engine.num_free_blocks == engine.num_blocks and not engine.holds.count(Hold.RETAINED)
 
 
-def test_preloaded_kv_gives_the_same_tokens():
-    """KV of a prompt's prefix copied into pinned blocks of another engine, the request admitted with
-    it preloaded: only the suffix is computed and the output equals computing everything."""
+def test_fetched_prefix_gives_the_same_tokens():
+    """KV of a prompt's prefix copied into the blocks another engine reserved for it (a request whose
+    first 128 tokens are remote): only the suffix is computed and the output equals computing
+    everything."""
     source, target, reference = make_engine(), make_engine(), make_engine(enable_prefix_caching=False)
     history = list(range(5, 141))                                 # 136 tokens
     source.add_request("h", history, GREEDY, retain=True)
     _, out = finish(source, "h")
     prompt = out.retained.token_ids + list(range(400, 430))
     expected = reference.generate([prompt], GREEDY)[0]
-    blocks = target.allocate_pinned("fetch", 4)
+    target.add_request("r", prompt, GREEDY, remote_tokens=128)
+    target.step()
+    blocks = target.connector.reservations["r"]
     target.runner.kv_cache[blocks] = source.runner.kv_cache[out.retained.block_ids[:4]]
-    target.add_request("r", prompt, GREEDY, preloaded=("fetch", 128))
+    assert target.kv_ready("r") is None                          # no first token: the rest is computed here
     assert target.requests["r"].num_computed_tokens == 128
     tokens, done = finish(target, "r")
     assert tokens == expected and done.num_cached_tokens == 128
-    assert target.num_free_blocks == target.num_blocks and not target.pinned
+    assert target.num_free_blocks == target.num_blocks and not target.holds.count(Hold.PINNED)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Policy: the cost model and the session map
 
-def candidate(tokens: list[int], expires_in_s: float = 400.0) -> dict:
-    return {"block_hashes": [h.hex() for h in hash_chain(tokens, 32)], "expires_in_s": expires_in_s}
+def candidate(tokens: list[int], expires_in_s: float = 400.0) -> ReuseCandidate:
+    return ReuseCandidate(decode_url="http://d", retention_id="r", block_hashes=[h.hex() for h in hash_chain(tokens, 32)],
+                          expires_in_s=expires_in_s)
 
 
 def test_reuse_decisions():

@@ -10,8 +10,10 @@ import torch
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
+from kvhandoff.engine.holds import Hold
+from kvhandoff.engine.kv_connector import KVConnector, KVEvents, Lost
 from kvhandoff.engine.loop import EngineLoop
-from kvhandoff.engine.request import SamplingParams
+from kvhandoff.engine.request import RequestState, SamplingParams
 from kvhandoff.model.llama import prompt_logits
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -222,12 +224,48 @@ def run_until_finished(engine: LLMEngine, request_id: str, max_steps: int = 5000
     raise AssertionError(f"{request_id} did not finish in {max_steps} steps")
 
 
+class Recorder(KVConnector):
+    """A connector that only records what the engine's hooks tell it; the test plays the transfers
+    and hands the outcomes back through poll(), as a real connector does."""
+
+    def __init__(self):
+        self.reservations: dict[str, list[int]] = {}
+        self.events = KVEvents()
+
+    def reserved(self, request, num_local_tokens: int) -> None:
+        self.reservations[request.request_id] = list(request.block_table)
+
+    def finished(self, request, out) -> bool:
+        return True                     # prefill-only requests stay pinned until the test releases them
+
+    def poll(self) -> KVEvents:
+        events, self.events = self.events, KVEvents()
+        return events
+
+    def has_events(self) -> bool:
+        return bool(self.events)
+
+
+def connected(**overrides) -> LLMEngine:
+    engine = make_engine(**overrides)
+    engine.connect(Recorder())
+    return engine
+
+
+def reserve(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams,
+            num_kv_tokens: int) -> list[int] | None:
+    """Queue a remote-KV request and let one step's remote-KV section try to reserve its blocks."""
+    engine.add_request(request_id, prompt, params, remote_tokens=num_kv_tokens)
+    engine.step()
+    return engine.connector.reservations.get(request_id)
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_handoff_hooks_copy_kv_between_engines(prompts, reference, prefix_caching):
     """Prefill-only on one engine, KV copied block by block into another engine's reserved blocks,
     decode there: the tokens equal colocated decoding (the engine half of every handoff mode)."""
-    prefill = make_engine(num_blocks=64, max_num_batched_tokens=48, enable_prefix_caching=prefix_caching)
-    decode = make_engine(num_blocks=64, enable_prefix_caching=prefix_caching)
+    prefill = connected(num_blocks=64, max_num_batched_tokens=48, enable_prefix_caching=prefix_caching)
+    decode = connected(num_blocks=64, enable_prefix_caching=prefix_caching)
     for rounds in range(2 if prefix_caching else 1):        # round 2 hits the prefill's prefix cache
         for i, prompt in enumerate(prompts):
             handoff_id = f"h{rounds}-{i}"
@@ -241,11 +279,11 @@ def handoff(prefill, decode, handoff_id: str, prompt: list[int], params: Samplin
     _, done = run_until_finished(prefill, handoff_id)
     assert done.finish_reason == "prefilled" and done.num_kv_tokens == len(prompt)
     assert len(done.new_token_ids) == 1            # the prefill samples the first token itself
-    dest = decode.reserve_for_remote_kv(handoff_id, prompt, params, done.num_kv_tokens)
+    dest = reserve(decode, handoff_id, prompt, params, done.num_kv_tokens)
     assert len(dest) == len(done.kv_block_ids)
     decode.runner.kv_cache[dest] = prefill.runner.kv_cache[done.kv_block_ids]
-    prefill.release_pinned(handoff_id)
-    first = decode.kv_ready(handoff_id, done.num_kv_tokens, done.new_token_ids[0])
+    assert prefill.release(handoff_id)
+    first = decode.kv_ready(handoff_id, done.new_token_ids[0])
     assert first.new_token_ids == done.new_token_ids    # emitted at once, before any decode step
     if first.finished:
         return first.new_token_ids
@@ -256,62 +294,71 @@ def handoff(prefill, decode, handoff_id: str, prompt: list[int], params: Samplin
 def test_handoff_keeps_seeded_sampling_and_short_answers(prompts):
     """A seeded, sampled request gives the same tokens handed off as colocated (the decode side
     skips the draw the prefill made), and a one-token answer finishes with the KV's arrival."""
-    colocated, prefill, decode = (make_engine(num_blocks=64) for _ in range(3))
+    colocated, prefill, decode = make_engine(num_blocks=64), connected(num_blocks=64), connected(num_blocks=64)
     sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for k, (prompt, params) in enumerate([(prompts[2], sampled), (prompts[4], sampled), (prompts[1], one)]):
         expected = colocated.generate([prompt], params)[0]
         assert handoff(prefill, decode, f"s{k}", prompt, params) == expected
     for engine in (prefill, decode):
-        assert engine.num_free_blocks == engine.num_blocks and not engine.pinned
+        assert engine.num_free_blocks == engine.num_blocks and not engine.holds.count(Hold.PINNED)
 
 
 def test_kv_failure_recomputes_or_errors(prompts, reference):
-    decode = make_engine(num_blocks=64)
+    decode = connected(num_blocks=64)
     prompt = prompts[3]
-    decode.reserve_for_remote_kv("lost", prompt, GREEDY, len(prompt) - 1)
+    reserve(decode, "lost", prompt, GREEDY, len(prompt))
     assert decode.num_free_blocks < decode.num_blocks
     # The reserved blocks hold garbage (nothing arrived): recompute must ignore them entirely.
     assert decode.kv_failed("lost", recompute=True, reason="lease expired") is None
     tokens, out = run_until_finished(decode, "lost")
     assert tokens == reference[3] and out.finish_reason == "length"
-    decode.reserve_for_remote_kv("failed", prompt, GREEDY, len(prompt) - 1)
+    reserve(decode, "failed", prompt, GREEDY, len(prompt))
     out = decode.kv_failed("failed", recompute=False, reason="transfer failed")
     assert out.finish_reason == "error" and "transfer failed" in out.error
     assert decode.num_free_blocks == decode.num_blocks
 
 
 def test_reserve_refuses_when_pool_is_full(prompts):
-    decode = make_engine(num_blocks=12)
-    assert len(decode.reserve_for_remote_kv("first", prompts[5], GREEDY, 199)) == 7
-    assert decode.reserve_for_remote_kv("big", prompts[7], GREEDY, 299) is None
-    assert decode.num_free_blocks == 5 and "big" not in decode.requests
+    decode = connected(num_blocks=12)
+    assert len(reserve(decode, "first", prompts[5], GREEDY, 200)) == 7
+    assert reserve(decode, "big", prompts[7], GREEDY, 300) is None
+    # Nothing taken for it: it waits, holding no block, until the pool has room.
+    assert decode.num_free_blocks == 5 and decode.requests["big"].state is RequestState.WAITING_REMOTE
     decode.kv_failed("first", recompute=False, reason="test over")
-    assert decode.num_free_blocks == 12
+    decode.kv_failed("big", recompute=False, reason="test over")
+    assert decode.num_free_blocks == 12 and not decode.requests
 
 
 def test_abort_while_waiting_for_kv_sets_blocks_aside_until_settled(prompts):
-    decode = make_engine(num_blocks=64)
-    decode.reserve_for_remote_kv("gone", prompts[3], GREEDY, len(prompts[3]) - 1)
+    decode = connected(num_blocks=64)
+    reserve(decode, "gone", prompts[3], GREEDY, len(prompts[3]))
     out = decode.abort("gone")
     assert out.finish_reason == "abort"
     # The transfer into those blocks has not settled: they must not be handed to anyone yet.
-    assert decode.num_free_blocks == 64 - 4 and decode.quarantine["gone"]
-    decode.kv_ready("gone", len(prompts[3]) - 1)       # the transfer lands after all: just free
-    assert decode.num_free_blocks == 64 and not decode.quarantine
+    assert decode.num_free_blocks == 64 - 4 and decode.holds.get("gone", Hold.SET_ASIDE)
+    decode.kv_ready("gone", 1)          # the transfer lands after all: just free
+    assert decode.num_free_blocks == 64 and not decode.holds.count(Hold.SET_ASIDE)
     # A peer that went quiet: give up (recompute elsewhere in the pool), free when it settles.
-    decode.reserve_for_remote_kv("quiet", prompts[3], GREEDY, len(prompts[3]) - 1)
+    reserve(decode, "quiet", prompts[3], GREEDY, len(prompts[3]))
     assert decode.kv_failed("quiet", recompute=True, reason="watchdog", settled=False) is None
     _, done = run_until_finished(decode, "quiet")
     assert done.finish_reason == "length" and decode.num_free_blocks == 64 - 4
-    decode.settle("quiet")
+    assert decode.release("quiet")
     assert decode.num_free_blocks == 64
+
+
+def post(engine: LLMEngine, **events) -> None:
+    """What a connector's threads do: queue outcomes for the engine's next poll, and wake its loop."""
+    recorder = engine.connector
+    for name, items in events.items():
+        getattr(recorder.events, name).extend(items)
 
 
 def test_abort_of_a_queued_reservation(prompts):
     """A remote-KV request still waiting for blocks is aborted: it ends with 'abort', the loop lives on."""
-    engine = make_engine(num_blocks=16)
-    engine.reserve_for_remote_kv("hog", prompts[5], GREEDY, len(prompts[5]) - 1)     # 7 of 16 blocks
+    engine = connected(num_blocks=16)
+    reserve(engine, "hog", prompts[5], GREEDY, len(prompts[5]))         # 7 of 16 blocks
     loop = EngineLoop(engine)
     finished = threading.Event()
     outputs = []
@@ -320,7 +367,7 @@ def test_abort_of_a_queued_reservation(prompts):
         outputs.append(out)
         finished.set()
 
-    loop.submit_remote("queued", prompts[7], GREEDY, len(prompts[7]) - 1, on_output, lambda blocks: None)
+    loop.submit("queued", prompts[7], GREEDY, on_output, remote_tokens=len(prompts[7]))
     assert loop.knows("queued") and not loop.knows("nobody")
     loop.start()
     try:
@@ -340,8 +387,8 @@ def test_kv_failure_of_a_queued_reservation(prompts, reference, recompute):
     """The K/V of a remote-KV request that is still queued for blocks will not come (its prefill
     died): it must become a local request (recompute) or end with the reason, not wait for KV forever
     (the fault matrix once saw such a request hang until the router's deadline)."""
-    engine = make_engine(num_blocks=16)
-    engine.reserve_for_remote_kv("hog", prompts[5], GREEDY, len(prompts[5]) - 1)     # 7 of 16 blocks
+    engine = connected(num_blocks=16)
+    reserve(engine, "hog", prompts[5], GREEDY, len(prompts[5]))         # 7 of 16 blocks
     loop = EngineLoop(engine)
     finished = threading.Event()
     tokens, outputs = [], []
@@ -352,14 +399,13 @@ def test_kv_failure_of_a_queued_reservation(prompts, reference, recompute):
         if out.finished:
             finished.set()
 
-    loop.submit_remote("queued", prompts[7], GREEDY, len(prompts[7]) - 1, on_output,
-                       lambda blocks, num_local: pytest.fail("no block was free for it"))
+    loop.submit("queued", prompts[7], GREEDY, on_output, remote_tokens=len(prompts[7]))
     loop.start()
     try:
         time.sleep(0.2)
-        assert loop.stats()["num_waiting"] == 1                  # 10 blocks needed, 9 free
-        loop.kv_failed("queued", recompute, "the prefill worker died").result(10)
-        loop.call(lambda: engine.kv_failed("hog", recompute=False, reason="room for the recompute")).result(10)
+        assert loop.stats()["num_waiting"] == 1 and "queued" not in engine.connector.reservations  # 10 needed, 9 free
+        loop.call(lambda: post(engine, lost=[Lost("queued", recompute, "the prefill worker died"),
+                                             Lost("hog", False, "room for the recompute")])).result(10)
         assert finished.wait(30)
         if recompute:
             assert outputs[-1].finish_reason == "length" and tokens == reference[7]
@@ -376,9 +422,9 @@ def test_a_queued_reservation_gets_blocks_freed_by_the_last_step(prompts):
     even when nothing else happens afterwards: the loop once went to sleep after that last step and
     left the reservation queued until some unrelated message woke it (the fault matrix saw streams
     hang until the router's deadline)."""
-    engine = make_engine(num_blocks=16)
+    engine = connected(num_blocks=16)
     loop = EngineLoop(engine)
-    running, finished, reserved = threading.Event(), threading.Event(), threading.Event()
+    running, finished = threading.Event(), threading.Event()
 
     def on_runner(out):
         running.set()
@@ -389,10 +435,12 @@ def test_a_queued_reservation_gets_blocks_freed_by_the_last_step(prompts):
     try:
         loop.submit("runner", prompts[5], GREEDY, on_runner)         # 7 of 16 blocks while it runs
         assert running.wait(30)
-        loop.submit_remote("queued", prompts[7], GREEDY, len(prompts[7]) - 1, lambda out: None,
-                           lambda blocks, num_local: reserved.set())                  # needs 10
+        loop.submit("queued", prompts[7], GREEDY, lambda out: None, remote_tokens=len(prompts[7]))  # needs 10
         assert finished.wait(30)
-        assert reserved.wait(5), "the reservation still waits although the runner's blocks are free"
+        deadline = time.monotonic() + 5
+        while "queued" not in engine.connector.reservations and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "queued" in engine.connector.reservations, "the reservation still waits although the runner's blocks are free"
         loop.call(lambda: engine.kv_failed("queued", recompute=False, reason="test over")).result(10)
     finally:
         loop.stop()
@@ -403,8 +451,8 @@ def test_a_loop_that_can_run_nothing_sleeps(prompts, reference):
     """A waiting request for which the pool has no room (its blocks are reserved for K/V in flight)
     can only start once a message frees blocks: until then the loop must sleep, not step in a
     circle (it once spun a whole core, which a 2-core host's prefill worker needed)."""
-    engine = make_engine(num_blocks=16)
-    engine.reserve_for_remote_kv("hog", prompts[5], GREEDY, len(prompts[5]) - 1)     # 7 of 16 blocks
+    engine = connected(num_blocks=16)
+    reserve(engine, "hog", prompts[5], GREEDY, len(prompts[5]))         # 7 of 16 blocks
     loop = EngineLoop(engine)
     finished, tokens = threading.Event(), []
 
@@ -425,3 +473,31 @@ def test_a_loop_that_can_run_nothing_sleeps(prompts, reference):
     finally:
         loop.stop()
     assert engine.num_free_blocks == 16
+
+
+def test_a_connector_event_wakes_a_sleeping_loop(prompts, reference):
+    """The connector's threads hand the engine their outcomes through poll(): one that arrives while
+    the loop sleeps (nothing runnable) must wake it at once, not wait for an unrelated message."""
+    engine = connected(num_blocks=64)
+    loop = EngineLoop(engine)
+    done, tokens = threading.Event(), []
+
+    def on_output(out):
+        tokens.extend(out.new_token_ids)
+        if out.finished:
+            done.set()
+
+    loop.start()
+    try:
+        loop.submit("lost", prompts[3], GREEDY, on_output, remote_tokens=len(prompts[3]))
+        deadline = time.monotonic() + 5
+        while "lost" not in engine.connector.reservations and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)                 # reserved, waiting for K/V: the loop is asleep
+        steps = loop.num_steps
+        post(engine, lost=[Lost("lost", True, "the transfer failed")])      # from a non-engine thread
+        loop.wake()
+        assert done.wait(10) and tokens == reference[3] and loop.num_steps > steps
+    finally:
+        loop.stop()
+    assert engine.num_free_blocks == 64

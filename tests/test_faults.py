@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess
+from kvhandoff.handoff.messages import PROTOCOL_VERSION
 from test_handoff import COMMON, HEADERS, PROMPTS, SECRET, body, disaggregated, wait_baseline
 from test_router import ROUTER_READY, Proc
 
@@ -70,7 +71,7 @@ def test_failed_write_is_told_at_once(tmp_path, healthy, reference):
     prefill = faulty(tmp_path, "prefill", "write_fail")
     decode = healthy["decode"]
     try:
-        kv = {"handoff_id": "write-fails", "mode": "push"}
+        kv = {"handoff_id": "write-fails", "mode": "push", "protocol_version": PROTOCOL_VERSION}
         started = time.monotonic()
         with ThreadPoolExecutor(2) as pool:      # both legs at once, as the router sends them
             p = pool.submit(httpx.post, f"{prefill.url}/v1/completions", headers=HEADERS, timeout=60,
@@ -209,6 +210,9 @@ def test_fault_matrix(tmp_path, healthy, matrix_reference, mode, role, spec):
         with ThreadPoolExecutor(MATRIX_REQUESTS) as pool:
             results = list(pool.map(lambda i: stream(router.url, matrix_body(i)), range(MATRIX_REQUESTS)))
         errors = []
+        if any(e is not None and "request-timeout" in e for _, _, e, _ in results):
+            for name, server in healthy.items():
+                print("DEBUG", name, server.url, json.dumps(server.health()))
         for i, (status, text, error, handoff) in enumerate(results):
             if error is None:
                 assert status == 200 and text == matrix_reference[i], (i, status, text, handoff)

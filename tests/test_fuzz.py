@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ServerProcess
+from kvhandoff.handoff.messages import PROTOCOL_VERSION
 from kvhandoff.serve.auth import control_headers
 
 SECRET = "fuzz-secret"
@@ -117,7 +118,8 @@ def test_control_endpoints_never_5xx(workers, path, body, role):
 @given(params=values | st.fixed_dictionaries({}, optional={
     "handoff_id": st.text(max_size=8), "mode": st.one_of(st.sampled_from(["pull", "push", "push-layerwise"]), values),
     "role": st.one_of(st.sampled_from(["prefill", "decode"]), values), "remote": values,
-    "prefill_url": values, "decode_url": values, "reuse": values, "retain": values, "supersedes": values}),
+    "prefill_url": values, "decode_url": values, "reuse": values, "retain": values, "supersedes": values,
+    "protocol_version": st.one_of(st.just(PROTOCOL_VERSION), values)}),
     role=st.sampled_from(["prefill", "decode"]))
 def test_kv_transfer_params_never_5xx(workers, params, role):
     body = {"model": "tiny", "prompt": "alpha bravo charlie", "max_tokens": 2, "kv_transfer_params": params}

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess
+from kvhandoff.handoff.messages import PROTOCOL_VERSION
 from kvhandoff.serve.auth import control_headers
 
 SECRET = "test-deployment-secret"
@@ -56,7 +57,7 @@ def reference(workers) -> list[str]:
 def disaggregated(prefill: str, decode: str, mode: str, request: dict, timeout: float = 60) -> tuple[dict, dict]:
     """Play the router for one request; returns (prefill's handoff object, decode's response)."""
     handoff_id = uuid.uuid4().hex
-    kv = {"handoff_id": handoff_id, "mode": mode}
+    kv = {"handoff_id": handoff_id, "mode": mode, "protocol_version": PROTOCOL_VERSION}
     if mode.startswith("pull"):
         r = httpx.post(f"{prefill}/v1/completions", headers=HEADERS, timeout=timeout,
                        json={**request, "kv_transfer_params": {**kv, "role": "prefill"}})
@@ -108,7 +109,7 @@ def test_mode_matches_colocated(workers, reference, mode):
 
 
 def test_handoffs_need_the_control_token(workers):
-    request = body(PROMPTS[0], kv_transfer_params={"handoff_id": "x", "mode": "pull", "role": "prefill"})
+    request = body(PROMPTS[0], kv_transfer_params={"protocol_version": PROTOCOL_VERSION, "handoff_id": "x", "mode": "pull", "role": "prefill"})
     r = httpx.post(f"{workers['prefill'].url}/v1/completions", json=request, timeout=30)
     assert r.status_code == 401 and "control token" in r.json()["error"]["message"]
     wrong = control_headers("not-the-secret")
@@ -130,14 +131,14 @@ def test_expired_lease_is_detected_and_recomputed(tmp_path, workers, reference):
                             tmp_path / "prefill.log")
     try:
         r = httpx.post(f"{prefill.url}/v1/completions", headers=HEADERS, timeout=60,
-                       json={**body(PROMPTS[4]), "kv_transfer_params": {"handoff_id": "late", "mode": "pull",
+                       json={**body(PROMPTS[4]), "kv_transfer_params": {"protocol_version": PROTOCOL_VERSION, "handoff_id": "late", "mode": "pull",
                                                                        "role": "prefill"}})
         handoff = r.json()["handoff"]
         time.sleep(1.5)                     # lease gone, blocks back in the pool...
         for i in range(2):                  # ...and overwritten by other prompts
             httpx.post(f"{prefill.url}/v1/completions", json=body(words(500, 10 + i), max_tokens=1), timeout=60)
         r = httpx.post(f"{workers['decode'].url}/v1/completions", headers=HEADERS, timeout=60,
-                       json={**body(PROMPTS[4]), "kv_transfer_params": {"handoff_id": "late", "mode": "pull",
+                       json={**body(PROMPTS[4]), "kv_transfer_params": {"protocol_version": PROTOCOL_VERSION, "handoff_id": "late", "mode": "pull",
                                                                        "role": "decode", "remote": handoff}})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference[4]
@@ -151,12 +152,13 @@ def test_expired_lease_is_detected_and_recomputed(tmp_path, workers, reference):
 
 
 def test_push_prefill_dies_before_writing(tmp_path, workers, reference):
-    """Decode registers with a prefill worker that then dies: the decode side notices the peer is gone,
-    recomputes, and frees the reserved blocks."""
+    """Decode registers with a prefill worker that then dies: the decode side notices the peer is gone
+    (its agent's connection dies: within seconds, not the 30 s KV timeout), recomputes, and frees the
+    reserved blocks."""
     prefill = ServerProcess([*COMMON, "--role", "prefill"], tmp_path / "prefill.log")
     decode = workers["decode"].url
     try:
-        request = {**body(PROMPTS[3]), "kv_transfer_params": {"handoff_id": "orphan", "mode": "push",
+        request = {**body(PROMPTS[3]), "kv_transfer_params": {"protocol_version": PROTOCOL_VERSION, "handoff_id": "orphan", "mode": "push",
                                                               "role": "decode", "prefill_url": prefill.url}}
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(httpx.post, f"{decode}/v1/completions", json=request, headers=HEADERS, timeout=90)
@@ -165,10 +167,14 @@ def test_push_prefill_dies_before_writing(tmp_path, workers, reference):
                 time.sleep(0.05)
             time.sleep(0.3)                 # the registration reaches the prefill worker
             prefill.proc.kill()             # no goodbye: the agent must notice on its own
+            killed = time.monotonic()
             r = pending.result()
+            noticed_s = time.monotonic() - killed
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference[3]
         assert r.json()["handoff"]["kv_source"] == "recomputed"
+        assert noticed_s < 5, f"the dead prefill was noticed after {noticed_s:.1f} s: by the watchdog, not the agent"
+        assert "is gone" in r.json()["handoff"]["error"], r.json()["handoff"]
     finally:
         prefill.stop()
     h = wait_baseline(workers["decode"], timeout=30)
@@ -184,7 +190,7 @@ def test_push_decode_dies_after_registering(tmp_path, workers):
     decode = ServerProcess([*COMMON, "--role", "decode"], tmp_path / "decode.log")
     prefill = workers["prefill"]
     try:
-        kv = {"handoff_id": "widowed", "mode": "push"}
+        kv = {"handoff_id": "widowed", "mode": "push", "protocol_version": PROTOCOL_VERSION}
         with ThreadPoolExecutor(1) as pool:
             pool.submit(httpx.post, f"{decode.url}/v1/completions", headers=HEADERS, timeout=30,
                         json={**body(PROMPTS[2]), "kv_transfer_params": {**kv, "role": "decode",
@@ -213,7 +219,7 @@ def test_router_reported_prefill_failure_acts_at_once(workers, reference):
     with 4xx, never 5xx."""
     decode = workers["decode"]
     # The prefill worker accepts the registration, but its prefill leg never comes: only the report can end it.
-    request = {**body(PROMPTS[3]), "kv_transfer_params": {"handoff_id": "reported", "mode": "push",
+    request = {**body(PROMPTS[3]), "kv_transfer_params": {"protocol_version": PROTOCOL_VERSION, "handoff_id": "reported", "mode": "push",
                                                           "role": "decode", "prefill_url": workers["prefill"].url}}
     with ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
@@ -255,7 +261,7 @@ def test_cancel_that_overtakes_the_request_is_honoured(workers, mode):
         r = httpx.post(f"{server.url}/kv/cancel", json={"handoff_id": handoff_id}, headers=HEADERS, timeout=10)
         assert r.status_code == 200
         peer = {"decode_url": workers["decode"].url} if role == "prefill" else {"prefill_url": workers["prefill"].url}
-        kv = {"handoff_id": handoff_id, "mode": mode, "role": role, **peer}
+        kv = {"handoff_id": handoff_id, "mode": mode, "role": role, "protocol_version": PROTOCOL_VERSION, **peer}
         if role == "decode" and mode == "pull":
             metadata = httpx.get(f"{workers['prefill'].url}/kv/info", headers=HEADERS, timeout=10).json()["agent_metadata"]
             kv["remote"] = {"agent_metadata": metadata}
@@ -269,3 +275,25 @@ def test_cancel_that_overtakes_the_request_is_honoured(workers, mode):
         h = wait_baseline(server, timeout=5)
         assert h["num_free_blocks"] == h["num_blocks"] and not h["num_pinned_handoffs"], h
     assert httpx.post(f"{workers['prefill'].url}/v1/completions", json=body("still serving"), timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["push", "push-layerwise"])
+def test_push_prompt_that_outlives_the_kv_timeout(tmp_path, reference, mode):
+    """A prompt can take longer to compute than --kv-timeout-s (a long prompt on a slow CPU): while
+    the prefill computes, it keeps the registration alive (`progress`, answered by `renew`), so decode
+    neither gives up nor recomputes. Before the keep-alive every such push handoff was recomputed."""
+    timeout = ["--kv-timeout-s", "1"]
+    slow = ["--inject-faults", "step_ms=250", "--max-num-batched-tokens", "64"]      # >= 3 s of prefill
+    prefill = ServerProcess([*COMMON, "--role", "prefill", *timeout, *slow], tmp_path / "prefill.log")
+    decode = ServerProcess([*COMMON, "--role", "decode", *timeout], tmp_path / "decode.log")
+    try:
+        handoff, response = disaggregated(prefill.url, decode.url, mode, body(PROMPTS[5]))
+        assert handoff["phases_ms"]["prefill_compute"] > 2000, handoff      # two timeouts and more
+        assert response["handoff"]["kv_source"] == "remote", response["handoff"]
+        assert response["choices"][0]["text"] == reference[5]
+        for server in (prefill, decode):
+            h = wait_baseline(server)
+            assert h["num_free_blocks"] == h["num_blocks"] and not h["num_quarantined"], h
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from conftest import stop_process
 from kvhandoff.serve.auth import control_token
 from kvhandoff.serve.launch import free_port
-from kvhandoff.serve.router import Handoff, Router, RouterConfig
+from kvhandoff.serve.router import WorkerPool
 
 SECRET = "test-secret"
 # Anchored: `up` also forwards its children's own ready lines, prefixed with their names.
@@ -535,11 +535,11 @@ def test_router_health_models_metrics(routed):
 
 
 def test_pick_least_loaded_then_round_robin():
-    router = Router(RouterConfig(["http://p"], ["http://d0", "http://d1", "http://d2"], "pull", b"s"))
-    pick = lambda: router.pick(Handoff("h", "/v1/completions", False, 0.0, 0.0), router.decodes).url
+    pool = WorkerPool(["http://p"], ["http://d0", "http://d1", "http://d2"])
+    pick = lambda: pool.pick("decode").url
     # Equal workers take turns (each pick also adds one in flight, so the next goes elsewhere anyway).
     assert [pick() for _ in range(3)] == ["http://d0", "http://d1", "http://d2"]
-    d0, d1, d2 = router.decodes
+    d0, d1, d2 = pool.decodes
     d0.in_flight = d1.in_flight = d2.in_flight = 0
     d0.healthy = False           # its last /health failed
     d1.load = 5                  # its last /health: busy with work from elsewhere
@@ -664,6 +664,29 @@ def wait_pools_at_baseline(router_url: str, timeout: float = 15.0) -> None:
     raise AssertionError(f"pools not back at baseline: {workers}")
 
 
+def check_router_timings(url: str, mode: str) -> None:
+    """Through the router, `timings` are the request's own in every mode (from its arrival there,
+    never negative, queue + prefill = ttft), and with include_usage the last chunk carries the
+    handoff object too. (They were the decode worker's view: in push-layerwise queue_ms was the
+    prefill, done elsewhere, and prefill_ms was negative.)"""
+    body = {"prompt": PROMPTS[8], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    answers = [r.json()]
+    with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                      json=body | {"stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usage, final = chunks[-1], chunks[-2]
+    assert not usage["choices"] and usage["usage"]["completion_tokens"] == 8
+    assert usage["handoff"] == final["handoff"] and usage["handoff"]["mode"] == mode
+    answers += [final, usage]
+    for answer in answers:
+        t, phases = answer["timings"], answer["handoff"]["phases_ms"]
+        assert all(v is not None and v >= 0 for v in t.values()), t
+        assert abs(t["queue_ms"] + t["prefill_ms"] - t["ttft_ms"]) < 0.01 and t["ttft_ms"] <= t["total_ms"], t
+        assert t["queue_ms"] >= phases["prefill_queue"] and t["prefill_ms"] >= phases["prefill_compute"], (t, phases)
+        assert abs(t["decode_ms"] - (t["total_ms"] - t["ttft_ms"])) < 0.01, t
+
+
 @pytest.fixture(scope="module")
 def colocated_outputs(tmp_path_factory):
     up = start_up(tmp_path_factory.mktemp("colocated"), "colocated", *SAME_ENGINES)
@@ -690,6 +713,7 @@ def test_disaggregated_equals_colocated(mode, colocated_outputs, tmp_path):
                                                  "decode_queue", "first_step"}
             assert handoff["blocks"] >= 1 and handoff["bytes_transferred"] > 0
         wait_pools_at_baseline(up.url)
+        check_router_timings(up.url, mode)
         # A client that leaves mid-stream, and one that gives up before its answer: nothing stays held.
         body = {"prompt": PROMPTS[-1], "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
         with httpx.stream("POST", up.url + "/v1/completions", json=body | {"stream": True}, timeout=60) as r:

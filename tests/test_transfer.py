@@ -264,6 +264,22 @@ def test_hung_peer_fails_transfers_within_the_timeout(remote):
             os.kill(remote.pid, signal.SIGCONT)
 
 
+def test_a_connection_that_only_carries_notifications_stays_alive(remote):
+    """Notifications get no answer, so a connection busy with nothing else (push keep-alives while a
+    long prompt computes) still needs pings: it once died after peer_timeout_s of steady notifications."""
+    local, _ = make_pair(remote, "tcp", region_bytes=MIB, heartbeat_s=0.2, peer_timeout_s=1.0)
+    with local:
+        deadline = time.monotonic() + 3.0           # three peer timeouts
+        sent = 0
+        while time.monotonic() < deadline:
+            local.send_notification("remote", b"progress:%d" % sent)
+            sent += 1
+            time.sleep(0.05)
+        assert "remote" in local.peers
+        assert local.read("remote", [("kv", 0, KIB)], [("kv", 0, KIB)]).wait(5).nbytes == KIB
+        assert len(remote.call("notifications", sent)) == sent
+
+
 # ------------------------------------------------------------------------------------------- memory
 
 def test_registered_memory_kinds_and_shm_segments(remote):

@@ -34,8 +34,6 @@ WORDS = ("time year people way day man thing woman life child world school state
          "green quiet small large early young important few public bad same able").split()
 
 
-# The phases a kvhandoff `handoff` object reports (docs/HANDOFF.md), in the order they happen.
-PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
 
 
 def random_text(rng: random.Random, num_words: int) -> str:

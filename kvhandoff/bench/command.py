@@ -15,17 +15,17 @@ from kvhandoff.bench.client import completion_body, random_text, stream_completi
 from kvhandoff.bench.harness import Point, run_meta, run_point, write_outputs
 from kvhandoff.bench.meta import log
 from kvhandoff.bench.stack import Stack, stop_on_signal
+from kvhandoff.handoff.modes import STACK_MODES
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
-MODES = ("colocated", "pull", "pull-reader", "push", "push-layerwise")
 LAUNCH_FLAGS = ("bidirectional", "retry-colocated")
 
 
 def launch_spec(spec: str) -> tuple[str, list[str]]:
     """'push+bidirectional' -> ('push', ['--bidirectional']): a mode and `kvhandoff up` flags."""
     mode, *flags = spec.split("+")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r} in --launch {spec!r}; modes: {', '.join(MODES)}")
+    if mode not in STACK_MODES:
+        raise ValueError(f"unknown mode {mode!r} in --launch {spec!r}; modes: {', '.join(STACK_MODES)}")
     bad = [f for f in flags if f not in LAUNCH_FLAGS]
     if bad:
         raise ValueError(f"unknown flag {bad[0]!r} in --launch {spec!r}; flags: {', '.join(LAUNCH_FLAGS)}")

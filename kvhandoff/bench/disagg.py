@@ -39,7 +39,6 @@ from pathlib import Path
 import httpx
 
 from kvhandoff.bench.client import (
-    PHASES,
     RequestResult,
     completion_body,
     percentile,
@@ -48,8 +47,10 @@ from kvhandoff.bench.client import (
 )
 from kvhandoff.bench.meta import cpu_model, fmt, git_commit, log
 from kvhandoff.bench.stack import Stack, core_wait_ns, stop_on_signal
+from kvhandoff.handoff.messages import PHASES
+from kvhandoff.handoff.modes import COLOCATED, NAMES, Mode
 
-DISAGG_MODES = ("pull", "pull-reader", "push", "push-layerwise")
+DISAGG_MODES = NAMES
 BASELINE_1CORE, BASELINE_2CORE = "colocated-1core", "colocated-2core"
 # Goals of issue 4 (isolated requests).
 GOAL_LAYERWISE_TTFT_X = 1.10      # push-layerwise TTFT <= 1.10x colocated-one-core
@@ -184,7 +185,7 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
 def isolated_goals(summary: dict) -> list[dict]:
     goals = []
     for length, rows in summary.items():
-        lw, push, pull = rows.get("push-layerwise"), rows.get("push"), rows.get("pull")
+        lw, push, pull = rows.get(Mode.PUSH_LAYERWISE), rows.get(Mode.PUSH), rows.get(Mode.PULL)
         add = lambda goal, value, target, met: goals.append(
             {"length": int(length), "goal": goal, "value": value, "target": target, "met": met})
         if lw and lw["ttft_x_colocated"] is not None:
@@ -395,7 +396,7 @@ async def amain(bench: Bench) -> dict:
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         try:
             if not args.skip_isolated:
-                one_core = bench.stack(BASELINE_1CORE, "colocated", "0")
+                one_core = bench.stack(BASELINE_1CORE, COLOCATED, "0")
                 start_stacks([one_core, *disagg])
                 bench.model = one_core.model_name()
                 await calibrate(bench, client, one_core)
@@ -407,7 +408,7 @@ async def amain(bench: Bench) -> dict:
                 report["isolated_goals"] = isolated_goals(report["isolated"])
                 print_isolated(report["isolated"], report["isolated_goals"])
             if not args.skip_loaded:
-                two_core = bench.stack(BASELINE_2CORE, "colocated", "0,1")
+                two_core = bench.stack(BASELINE_2CORE, COLOCATED, "0,1")
                 start_stacks([two_core] + ([] if not args.skip_isolated else disagg))
                 if not bench.model:
                     bench.model = two_core.model_name()

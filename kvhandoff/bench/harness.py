@@ -25,7 +25,6 @@ from tqdm import tqdm
 
 from kvhandoff.bench import plots
 from kvhandoff.bench.client import (
-    PHASES,
     RequestResult,
     chat_body,
     completion_body,
@@ -34,6 +33,7 @@ from kvhandoff.bench.client import (
 )
 from kvhandoff.bench.meta import cpu_model, fmt, git_commit, log
 from kvhandoff.bench.workload import WorkItem
+from kvhandoff.handoff.messages import PHASES
 
 
 @dataclass

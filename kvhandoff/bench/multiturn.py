@@ -35,6 +35,7 @@ from kvhandoff.bench.client import (
 )
 from kvhandoff.bench.disagg import start_stacks
 from kvhandoff.bench.meta import cpu_model, git_commit, log
+from kvhandoff.handoff.modes import NAMES, Mode
 from kvhandoff.bench.stack import Stack, stop_on_signal
 
 GOAL_LATER_TURNS_X = 1.6        # TTFT off / on at the later turns (history >= 1,500 tokens)
@@ -45,7 +46,7 @@ LATER_TURN_HISTORY = 1500
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvhandoff.bench.multiturn", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--mode", default="push", choices=["pull", "pull-reader", "push", "push-layerwise"])
+    p.add_argument("--mode", default=Mode.PUSH.value, choices=NAMES)
     p.add_argument("--conversations", type=int, default=3)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--new-tokens", type=int, default=300)

@@ -28,6 +28,7 @@ import httpx
 from kvhandoff.bench.client import chat_body, completion_body, random_text, stream_completion
 from kvhandoff.bench.meta import git_commit, log
 from kvhandoff.bench.stack import Stack, stop_on_signal
+from kvhandoff.handoff.modes import NAMES, Mode
 
 KINDS = ("stream", "chat", "session", "hangup", "bad")
 WEIGHTS = (5, 2, 2, 1, 1)
@@ -212,7 +213,7 @@ class Soak:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--mode", default="push", choices=["pull", "pull-reader", "push", "push-layerwise"])
+    p.add_argument("--mode", default=Mode.PUSH.value, choices=NAMES)
     p.add_argument("--model", default="tiny")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--sample-s", type=float, default=15.0)

@@ -112,9 +112,3 @@ class BlockPool:
         if block.hash is None and h not in self.cached:
             block.hash = h
             self.cached[h] = block_id
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.hash is not None and block.ref_count == 0:
-                del self.cached[block.hash]
-                block.hash = None

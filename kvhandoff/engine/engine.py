@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from typing import Callable
 
 import torch
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.block_pool import BlockPool, hash_chain
+from kvhandoff.engine.holds import Hold, Holdings
+from kvhandoff.engine.kv_connector import KVConnector, KVEvents
 from kvhandoff.engine.request import FinishReason, Request, RequestOutput, RequestState, RetainedKV, SamplingParams
 from kvhandoff.engine.runner import ModelRunner, kv_block_bytes
 from kvhandoff.engine.sampler import Sampler
@@ -63,27 +64,27 @@ class LLMEngine:
         self.block_bytes = kv_block_bytes(self.model_config, cfg.block_size, self.dtype)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // self.block_bytes)
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg, self.pool, make_room=self.make_room)
+        self.connector = KVConnector()          # a handoff connector replaces it (connect())
+        self.scheduler = Scheduler(cfg, self.pool, make_room=self.make_room, connector=self.connector)
         kv_memory = None if kv_allocator is None else kv_allocator(num_blocks * self.block_bytes)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size, kv_memory)
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.sampler = Sampler(self.eos_token_ids, self.model_config.vocab_size, cfg.seed)
         self.requests: dict[str, Request] = {}
-        self.pinned: dict[str, list[int]] = {}          # prefill-only request id -> blocks held for a handoff
-        # Reserved blocks a transfer may still write into although their request is gone (aborted,
-        # or given up on): they return to the pool only when the transfer settles.
-        self.quarantine: dict[str, list[int]] = {}
-        self._done_at_once: list[RequestOutput] = []    # finished at admission, reported by the next step
+        self.holds = Holdings()                         # blocks kept past their request (holds.py)
         # The last step could run nothing (waiting requests, no room for any) and changed nothing:
         # only something from outside (blocks freed, a request added or aborted) can change that.
         self.stalled = False
-        # Finished `retain` requests' KV, least recently used first. Evicted (on_evict told) whenever a
-        # request needs the blocks: running requests always win over retained history.
-        self.retained: OrderedDict[str, RetainedKV] = OrderedDict()
+        # Told when retained KV is evicted because a request needed the blocks.
         self.on_evict: Callable[[str], None] | None = None
         log.info("engine ready: model=%s device=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV)",
                  self.served_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                  cfg.block_size, num_blocks * self.block_bytes / 2**20)
+
+    def connect(self, connector: KVConnector) -> None:
+        """Hand remote K/V and finished prefills to `connector` (before the engine runs)."""
+        assert not self.requests, "connect the connector before any request arrives"
+        self.connector = self.scheduler.connector = connector
 
     # ---- pool facts -------------------------------------------------------------------------
     @property
@@ -116,158 +117,93 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival: float | None = None, prefill_only: bool = False, retain: bool = False,
-                    preloaded: tuple[str, int] | None = None) -> Request:
+                    remote_tokens: int = 0) -> Request:
         """Queue a request. `prefill_only`: compute the whole prompt's KV, sample the first token (so
         it comes from the same computation as colocated: same chunks, same rounding) and finish with
-        reason "prefilled", the blocks pinned until release_pinned(). `retain`: keep the KV after a
-        normal finish (see retained). `preloaded=(pin_id, num_tokens)`: the blocks pinned under
-        `pin_id` (allocate_pinned) already hold the K/V of the first `num_tokens` prompt tokens
-        (fetched from another worker): they become the request's, and only the rest is computed."""
-        try:
-            request = self._new_request(request_id, prompt_token_ids, params, arrival)
-        except ValueError:
-            if preloaded is not None:
-                self.release_pinned(preloaded[0])       # refused: the fetched blocks go back
-            raise
-        request.prefill_only, request.retain = prefill_only, retain
-        if preloaded is not None:
-            pin_id, num_tokens = preloaded
-            assert 0 < num_tokens < len(prompt_token_ids), "at least one prompt token must be computed here"
-            request.block_table = self.pinned.pop(pin_id)
-            assert len(request.block_table) == self.scheduler.blocks_for(num_tokens)
-            self.scheduler.preloaded(request, num_tokens)
-        self.scheduler.add(request)
-        return request
-
-    def _new_request(self, request_id, prompt_token_ids, params, arrival) -> Request:
-        if request_id in self.requests or request_id in self.pinned:
+        reason "prefilled", the blocks held (Hold.PINNED) for the connector. `retain`: keep the KV
+        after a normal finish (Hold.RETAINED). `remote_tokens`: the K/V of the first that many
+        prompt tokens comes from another worker through the connector (the whole prompt: it comes
+        with the first token, and the request decodes; fewer: the rest is computed here)."""
+        if request_id in self.requests or request_id in self.holds:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params)
+        request = Request(request_id, list(prompt_token_ids), params, prefill_only=prefill_only, retain=retain,
+                          remote_tokens=remote_tokens)
         if arrival is not None:
             request.timings.arrival = arrival
         self.requests[request_id] = request
+        self.scheduler.add(request)
         return request
 
-    # ---- disaggregation hooks (called on the engine thread by a handoff connector) -------------
-    def reserve_for_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              num_kv_tokens: int, arrival: float | None = None,
-                              retain: bool = False) -> list[int] | None:
-        """Allocate blocks for `num_kv_tokens` of K/V that another worker will deliver; the request
-        waits in WAITING_FOR_KV. Returns the block ids, or None (nothing changed) if the pool is
-        too full right now. The first `num_cached_tokens // block_size` of them (the request's
-        num_cached_tokens) already hold the right K/V, from this worker's prefix cache."""
-        assert 0 < num_kv_tokens <= len(prompt_token_ids)
-        self.validate(prompt_token_ids, params)
-        # Full blocks this worker already holds (its prefix cache, e.g. a conversation's retained
-        # history) need not travel; at least the last block always does.
-        local = self.pool.match_prefix(hash_chain(prompt_token_ids[:num_kv_tokens - 1], self.block_size))
-        need = self.scheduler.blocks_for(num_kv_tokens) - len(local)
-        if not self.make_room(need):
-            self.pool.free_blocks(local)
-            return None
-        try:
-            request = self._new_request(request_id, prompt_token_ids, params, arrival)
-        except ValueError:
-            self.pool.free_blocks(local)
-            raise
-        request.retain = retain
-        request.block_table = local + self.pool.allocate(need)
-        request.num_cached_tokens = len(local) * self.block_size
-        request.state = RequestState.WAITING_FOR_KV
-        self.scheduler.add(request)
-        return list(request.block_table)
-
-    def kv_ready(self, request_id: str, num_kv_tokens: int, first_token: int | None = None) -> RequestOutput | None:
-        """The reserved blocks now hold verified K/V: schedule the request for decoding. With the whole
-        prompt's K/V comes the first token the prefill sampled: it is emitted now (the client's first
-        token does not wait for a decode step) and the next step decodes after it. (If the request was
-        aborted meanwhile, its blocks were only waiting for the transfer to settle: free them.)"""
+    # ---- remote K/V (the connector's events, applied on the engine thread by step()) -----------
+    def kv_ready(self, request_id: str, first_token: int | None = None) -> RequestOutput | None:
+        """The reserved blocks now hold verified K/V: schedule the request. With a whole prompt's K/V
+        comes the first token the prefill sampled: it is emitted now (the client's first token does
+        not wait for a decode step) and the next step decodes after it. (If the request was aborted
+        meanwhile, its blocks were only set aside for the transfer: free them.)"""
         request = self.requests.get(request_id)
-        if request is None:
-            self.settle(request_id)
+        if request is None or request.state is not RequestState.WAITING_FOR_KV:
+            self.release(request_id)
             return None
-        self.scheduler.kv_arrived(request, num_kv_tokens)
-        if first_token is None:
-            assert num_kv_tokens < request.num_prompt_tokens, "a whole prompt's K/V comes with its first token"
+        self.scheduler.kv_arrived(request)
+        if request.remote_tokens < request.num_prompt_tokens:
             return None
-        assert num_kv_tokens == request.num_prompt_tokens
+        assert first_token is not None, "a whole prompt's K/V comes with its first token"
         self.sampler.skip(request)      # the prefill drew the first token from this request's stream
         return self._append_token(request, first_token, time.monotonic())
 
     def kv_failed(self, request_id: str, recompute: bool, reason: str, settled: bool = True) -> RequestOutput | None:
-        """The K/V will not arrive, or failed verification: recompute the prompt here, or end the
-        request with an error naming `reason`. `settled=False` when a transfer might still write into
-        the reserved blocks (a peer that went quiet): they stay out of the pool until settle()."""
+        """The K/V will not arrive, or failed verification: compute the request here, or end it
+        with an error naming `reason`. `settled=False` when a transfer might still write into the
+        reserved blocks (a peer that went quiet): they are set aside until released."""
         request = self.requests.get(request_id)
-        if request is None:                 # aborted while waiting: nothing left but the blocks
-            if settled:
-                self.settle(request_id)
+        if request is None or request.state not in (RequestState.WAITING_REMOTE, RequestState.WAITING_FOR_KV):
+            if settled:                 # aborted while waiting: nothing left but the blocks, if any
+                self.release(request_id)
             return None
-        assert request.state is RequestState.WAITING_FOR_KV
-        self._set_aside(request, settled)
-        if not recompute:
-            return self._finish(request, FinishReason.ERROR, reason)
-        del self.scheduler.waiting_for_kv[request_id]
-        request.state = RequestState.WAITING
-        self.scheduler.add(request)
-        return None
+        blocks = self.scheduler.remote_lost(request)
+        self._set_aside(request_id, blocks, settled)
+        return None if recompute else self._finish(request, FinishReason.ERROR, reason)
 
-    def settle(self, request_id: str) -> None:
-        """No transfer can touch this request's reserved blocks any more: free them if set aside."""
-        blocks = self.quarantine.pop(request_id, None)
-        if blocks:
+    def _set_aside(self, owner: str, blocks: list[int], settled: bool) -> None:
+        if settled or not blocks:
             self.pool.free_blocks(blocks)
-
-    def _set_aside(self, request: Request, settled: bool) -> None:
-        if not settled:
-            self.quarantine[request.request_id] = request.block_table
         else:
-            self.pool.free_blocks(request.block_table)
-        request.block_table = []
+            self.holds.hold(owner, Hold.SET_ASIDE, blocks)
 
-    def release_pinned(self, request_id: str) -> None:
-        """Give back the blocks of a finished prefill-only request (after the handoff or its lease)."""
-        self.pool.free_blocks(self.pinned.pop(request_id))
-
-    def allocate_pinned(self, pin_id: str, num_blocks: int) -> list[int] | None:
-        """Blocks for K/V fetched from elsewhere (a reverse read), pinned under `pin_id` until
-        add_request(preloaded=...) takes them or release_pinned() returns them; None if the pool
-        cannot spare them (retained history is evicted first)."""
-        assert pin_id not in self.pinned and num_blocks > 0
-        if not self.make_room(num_blocks):
-            return None
-        self.pinned[pin_id] = self.pool.allocate(num_blocks)
-        return list(self.pinned[pin_id])
+    def release(self, owner: str) -> bool:
+        """Give back what `owner` holds (holds.py); False if it holds nothing."""
+        held = self.holds.release(owner)
+        if held is None:
+            return False
+        self.pool.free_blocks(held.block_ids)
+        return True
 
     # ---- retained KV (bidirectional reuse) -----------------------------------------------------
-    def _retain(self, request: Request) -> RetainedKV:
+    def _retain(self, request: Request, blocks: list[int]) -> RetainedKV:
         """Keep a finished request's blocks: they hold the K/V of every token it computed."""
         n = request.num_computed_tokens
         keep = self.scheduler.blocks_for(n)
-        self.pool.free_blocks(request.block_table[keep:])       # nothing computed in them
+        self.pool.free_blocks(blocks[keep:])        # nothing computed in them
         tokens = request.all_token_ids[:n]
-        entry = RetainedKV(request.request_id, request.block_table[:keep], tokens, hash_chain(tokens, self.block_size))
-        self.retained[entry.retention_id] = entry
+        entry = RetainedKV(request.request_id, blocks[:keep], tokens, hash_chain(tokens, self.block_size))
+        self.holds.hold(entry.retention_id, Hold.RETAINED, entry.block_ids, retained=entry)
         return entry
 
-    def release_retained(self, retention_id: str) -> bool:
-        entry = self.retained.pop(retention_id, None)
-        if entry is None:
-            return False
-        self.pool.free_blocks(entry.block_ids)
-        return True
+    def retained(self, retention_id: str) -> RetainedKV | None:
+        held = self.holds.get(retention_id, Hold.RETAINED)
+        return None if held is None else held.retained
 
     def make_room(self, num_blocks: int) -> bool:
         """Are `num_blocks` blocks free, once retained KV has been evicted for them if need be (least
         recently used first; blocks under a reverse read stay)?"""
-        for retention_id in list(self.retained):
+        for held in self.holds.of(Hold.RETAINED):
             if self.pool.num_free >= num_blocks:
                 break
-            if self.retained[retention_id].readers == 0:
-                self.release_retained(retention_id)
+            if held.retained.readers == 0:
+                self.release(held.owner)
                 if self.on_evict is not None:
-                    self.on_evict(retention_id)
+                    self.on_evict(held.owner)
         return self.pool.num_free >= num_blocks
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -276,19 +212,26 @@ class LLMEngine:
             return None
         if request.state is RequestState.WAITING_FOR_KV:
             # A transfer may be writing into its blocks right now: set them aside until it settles.
-            self._set_aside(request, settled=False)
+            blocks = self.scheduler.remote_lost(request)
+            self._set_aside(request_id, blocks, settled=False)
         return self._finish(request, FinishReason.ABORT)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._done_at_once)
+        return self.scheduler.has_work() or self.connector.has_events()
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        done, self._done_at_once = self._done_at_once, []
-        num_preemptions = self.scheduler.num_preemptions
+        """One step: the connector's finished transfers, scheduling (decode, prefill, remote-KV
+        admission), the transfers those reservations need, the forward pass, sampling."""
+        events = self.connector.poll()
+        done = self._apply(events)
+        num_preemptions, num_reserved = self.scheduler.num_preemptions, self.scheduler.num_reserved
         chunks = self.scheduler.schedule()
-        # (A step that preempted everyone freed blocks: the next one may admit someone.)
-        self.stalled = not chunks and self.scheduler.num_preemptions == num_preemptions
+        self.connector.start_loads()
+        # Nothing ran and nothing changed: only something from outside can change that. (A step
+        # that preempted everyone freed blocks, one that reserved blocks started a transfer.)
+        self.stalled = not chunks and not events and self.scheduler.num_preemptions == num_preemptions \
+            and self.scheduler.num_reserved == num_reserved
         if not chunks:
             return done
         now = time.monotonic()
@@ -296,7 +239,7 @@ class LLMEngine:
             if chunk.request.timings.first_scheduled is None:
                 chunk.request.timings.first_scheduled = now
         try:
-            logits = self.runner.run(chunks)
+            logits = self.runner.run(chunks, self.connector.on_layer)
         except Exception as exc:       # a failed forward must not take the server down or leak blocks
             log.exception("forward pass failed")
             return done + [self._finish(c.request, FinishReason.ERROR, f"forward pass failed: {exc}") for c in chunks]
@@ -307,10 +250,17 @@ class LLMEngine:
         for request, token in zip(sampling, token_ids):
             if request.prefill_only:        # the KV and the first token go to a decode worker
                 request.timings.first_token = now
-                done.append(self._finish(request, FinishReason.PREFILLED, new_token_ids=[token], keep_blocks=True))
+                done.append(self._finish(request, FinishReason.PREFILLED, new_token_ids=[token]))
             else:
                 done.append(self._append_token(request, token, now))
         return done
+
+    def _apply(self, events: KVEvents) -> list[RequestOutput]:
+        outputs = [self.kv_ready(e.request_id, e.first_token) for e in events.landed]
+        outputs += [self.kv_failed(e.request_id, e.recompute, e.reason, e.settled) for e in events.lost]
+        for owner in events.release:
+            self.release(owner)
+        return [out for out in outputs if out is not None]
 
     def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
         if request.timings.first_token is None:
@@ -361,22 +311,26 @@ class LLMEngine:
         return new, False
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
-                new_token_ids: list[int] | None = None, new_text: str = "",
-                keep_blocks: bool = False) -> RequestOutput:
+                new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
+        """End a request. A prefill-only one's blocks are held for the connector (Hold.PINNED,
+        under its id) unless the connector declines them; a `retain` one's are retained."""
+        pin = reason is FinishReason.PREFILLED
         retain = request.retain and reason in (FinishReason.STOP, FinishReason.LENGTH) and request.num_computed_tokens > 0
-        num_cached = request.num_cached_tokens          # (freeing the blocks resets it)
-        self.scheduler.finish(request, reason, keep_blocks=keep_blocks or retain)
+        blocks, num_cached = request.block_table, request.num_cached_tokens     # (freeing resets them)
+        self.scheduler.finish(request, reason, keep_blocks=pin or retain)
         self.sampler.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         request.timings.finished = time.monotonic()
         out = RequestOutput(request.request_id, new_token_ids or [], new_text, True, reason.value,
                             request.num_prompt_tokens, len(request.output_token_ids),
                             num_cached, request.timings.as_ms(), error)
-        if keep_blocks:
-            self.pinned[request.request_id] = request.block_table
-            out.kv_block_ids, out.num_kv_tokens = list(request.block_table), request.num_computed_tokens
+        if pin:
+            self.holds.hold(request.request_id, Hold.PINNED, blocks)
+            out.kv_block_ids, out.num_kv_tokens = list(blocks), request.num_computed_tokens
         elif retain:
-            out.retained = self._retain(request)
+            out.retained = self._retain(request, blocks)
+        if not self.connector.finished(request, out) and pin:
+            self.release(request.request_id)
         return out
 
     # ---- offline use --------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from enum import Enum, auto
 
 class RequestState(Enum):
     WAITING = auto()            # queued for prefill here
-    WAITING_FOR_KV = auto()     # its KV will arrive from another worker; not schedulable until then
+    WAITING_REMOTE = auto()     # the K/V of its first `remote_tokens` comes from elsewhere: queued for blocks
+    WAITING_FOR_KV = auto()     # blocks reserved, the K/V on its way; not schedulable until it lands
     RUNNING = auto()            # holds blocks; prefilling (chunk by chunk) or decoding
     FINISHED = auto()
 
@@ -89,7 +90,11 @@ class Request:
     # Disaggregation: a prefill-only request computes the whole prompt's KV and samples the first
     # token, then finishes with its blocks pinned for the handoff.
     prefill_only: bool = False
-    retain: bool = False                # bidirectional: keep the KV after a normal finish (LLMEngine.retained)
+    retain: bool = False                # bidirectional: keep the KV after a normal finish (Hold.RETAINED)
+    # The K/V of the first `remote_tokens` prompt tokens comes from another worker (the connector
+    # loads it into blocks the scheduler reserves): the whole prompt on a decode worker, a retained
+    # history on a prefill worker that reuses it. 0: everything is computed here.
+    remote_tokens: int = 0
     finish_reason: FinishReason | None = None
     timings: Timings = field(default_factory=lambda: Timings(arrival=time.monotonic()))
     # Detokenization state (see engine.detokenize): text already emitted, and held back text.
@@ -113,10 +118,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
-    def is_finished(self) -> bool:
-        return self.state is RequestState.FINISHED
-
 
 @dataclass
 class RequestOutput:
@@ -134,7 +135,7 @@ class RequestOutput:
     kv_block_ids: list[int] | None = None   # finish_reason "prefilled": the pinned blocks holding the KV
     num_kv_tokens: int = 0                  # ... how many tokens of K/V they hold (the whole prompt); the
                                             # first output token, sampled by the prefill, is new_token_ids[0]
-    handoff: dict | None = None             # decode side of a handoff: what the connector reports
+    handoff: dict | None = None             # what the connector reports of the request's handoff
     retained: "RetainedKV | None" = None    # a `retain` request's KV, kept after it finished
 
 
@@ -147,7 +148,6 @@ class RetainedKV:
     token_ids: list[int]
     block_hashes: list[bytes]           # chain hashes of its full blocks
     readers: int = 0                    # reverse reads in flight: not evictable while > 0
-    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def num_tokens(self) -> int:

@@ -30,13 +30,13 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         else:   # caller-provided bytes, e.g. a shared-memory region registered with a transfer agent
             self.kv_cache = kv_memory.view(self.dtype).view(shape)
-        # Called as layer_hook(layer, chunks) after each layer of each step (layer-wise handoff).
-        self.layer_hook: Callable[[int, list[ScheduledChunk]], None] | None = None
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one step. Returns logits [n, vocab] for the chunks that sample a token, in the order
-        they appear in `chunks`."""
+    def run(self, chunks: list[ScheduledChunk],
+            on_layer: Callable[[int, list[ScheduledChunk]], None] | None = None) -> torch.Tensor:
+        """Run one step, calling on_layer(layer, chunks) after each layer (layer-wise handoff).
+        Returns logits [n, vocab] for the chunks that sample a token, in the order they appear in
+        `chunks`."""
         prefills = [c for c in chunks if c.num_new_tokens > 1]
         decodes = [c for c in chunks if c.num_new_tokens == 1]
         bs = self.block_size
@@ -58,10 +58,9 @@ class ModelRunner:
                              num_prefill_tokens=sum(c.num_new_tokens for c in prefills))
         if decodes:
             self._decode_metadata(meta, decodes)
-        hook = self.layer_hook
-        on_layer = None if hook is None else (lambda layer: hook(layer, chunks))
+        layer_done = None if on_layer is None else (lambda layer: on_layer(layer, chunks))
         hidden = self.model(torch.tensor(token_ids, device=self.device), pos.to(self.device), meta, self.kv_cache,
-                            on_layer)
+                            layer_done)
         rows = [last_row[id(c)] for c in chunks if c.samples]
         return self.model.logits(hidden[rows])
 

@@ -6,6 +6,12 @@ then waiting requests in arrival order, each taking a chunk of at most the remai
 (chunked prefill). A waiting request is admitted only when the blocks for its chunk are free
 (admission control); when a running request cannot grow, the newest running request is preempted
 and later recomputed (its blocks go back to the pool, its generated tokens are kept).
+
+A third section admits remote-KV requests (the K/V of their first `remote_tokens` comes from another
+worker): in arrival order, each gets the blocks that K/V lands in as soon as the pool has room,
+minus the leading blocks this engine's prefix cache already holds, and the connector is told
+(KVConnector.reserved). They then wait, outside the token budget, until the K/V lands
+(kv_arrived) or will not come (remote_lost).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import Callable
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.block_pool import BlockPool, block_hash, hash_chain
+from kvhandoff.engine.kv_connector import KVConnector
 from kvhandoff.engine.request import FinishReason, Request, RequestState
 
 
@@ -31,28 +38,34 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, pool: BlockPool, make_room: Callable[[int], bool] | None = None):
+    def __init__(self, cfg: EngineConfig, pool: BlockPool, make_room: Callable[[int], bool] | None = None,
+                 connector: KVConnector | None = None):
         """`make_room(n)`: are n blocks free, once blocks held for later (retained history) have been
         freed for them if need be?"""
         self.cfg, self.pool = cfg, pool
         self.make_room = make_room or (lambda num_blocks: num_blocks <= pool.num_free)
+        self.connector = connector or KVConnector()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_remote: deque[Request] = deque()       # remote-KV requests queued for blocks
         self.waiting_for_kv: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_reserved = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.block_size)
 
     def add(self, request: Request) -> None:
-        if request.state is RequestState.WAITING_FOR_KV:
-            self.waiting_for_kv[request.request_id] = request
+        if request.remote_tokens:
+            assert 0 < request.remote_tokens <= request.num_prompt_tokens
+            request.state = RequestState.WAITING_REMOTE
+            self.waiting_remote.append(request)
         else:
             request.state = RequestState.WAITING
             self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_remote)
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.cfg.max_num_batched_tokens
@@ -88,7 +101,30 @@ class Scheduler:
             self.running.append(request)
             chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
+        self._reserve_remote()
         return chunks
+
+    def _reserve_remote(self) -> None:
+        """Blocks for queued remote-KV requests, oldest first, while the pool has room (FIFO: later
+        ones wait behind the first, as waiting requests do)."""
+        bs = self.pool.block_size
+        while self.waiting_remote:
+            request = self.waiting_remote[0]
+            num_remote = request.remote_tokens
+            # Full blocks this engine holds already (its prefix cache: a conversation's retained
+            # history, say) need not travel; the last remote block always does.
+            local = self.pool.match_prefix(hash_chain(request.prompt_token_ids[:num_remote - 1], bs))
+            need = self.blocks_for(num_remote) - len(local)
+            if not self.make_room(need):
+                self.pool.free_blocks(local)
+                return
+            self.waiting_remote.popleft()
+            request.block_table = local + self.pool.allocate(need)
+            request.num_cached_tokens = len(local) * bs
+            request.state = RequestState.WAITING_FOR_KV
+            self.waiting_for_kv[request.request_id] = request
+            self.num_reserved += 1
+            self.connector.reserved(request, len(local) * bs)
 
     def _grow(self, request: Request, num_new: int) -> bool:
         """Give `request` the blocks for `num_new` more tokens, preempting newer requests if needed."""
@@ -144,32 +180,47 @@ class Scheduler:
 
     def finish(self, request: Request, reason: FinishReason, keep_blocks: bool = False) -> None:
         """Take the request out of its queue; free its blocks unless the caller now owns them."""
-        if request.state is RequestState.RUNNING:
-            self.running.remove(request)
-        elif request.state is RequestState.WAITING:
-            self.waiting.remove(request)
-        elif request.state is RequestState.WAITING_FOR_KV:
-            del self.waiting_for_kv[request.request_id]
+        self._unqueue(request)
         if not keep_blocks:
             self._release(request)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
 
-    def preloaded(self, request: Request, num_tokens: int) -> None:
-        """A new request's blocks already hold its first `num_tokens` of K/V (fetched): count them as
-        computed (and cached, for the report) and publish their full blocks."""
-        request.num_computed_tokens = 0
-        self.after_step([ScheduledChunk(request, num_tokens)])
-        request.num_cached_tokens = num_tokens
+    def _unqueue(self, request: Request) -> None:
+        if request.state is RequestState.RUNNING:
+            self.running.remove(request)
+        elif request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        elif request.state is RequestState.WAITING_REMOTE:
+            self.waiting_remote.remove(request)
+        elif request.state is RequestState.WAITING_FOR_KV:
+            del self.waiting_for_kv[request.request_id]
 
-    def kv_arrived(self, request: Request, num_tokens: int) -> None:
-        """A WAITING_FOR_KV request's blocks now hold `num_tokens` of K/V: queue it for decoding."""
+    def kv_arrived(self, request: Request) -> None:
+        """A WAITING_FOR_KV request's blocks now hold the K/V of its remote tokens: count them as
+        computed, publish their full blocks, and queue it (to decode, or to compute the rest of its
+        prompt). A prefix fetched for a prompt counts as cached, as a local prefix-cache hit would."""
         assert request.state is RequestState.WAITING_FOR_KV
+        num_tokens = request.remote_tokens
         assert len(request.block_table) >= self.blocks_for(num_tokens)
         del self.waiting_for_kv[request.request_id]
         request.timings.kv_ready = time.monotonic()
         request.num_computed_tokens = 0
-        self.after_step([ScheduledChunk(request, num_tokens)])     # publishes its full blocks
+        self.after_step([ScheduledChunk(request, num_tokens)])
+        if num_tokens < request.num_prompt_tokens:
+            request.num_cached_tokens = num_tokens
         request.state = RequestState.WAITING
         self.waiting.append(request)
+
+    def remote_lost(self, request: Request) -> list[int]:
+        """The remote K/V will not come and the request will be computed here: it becomes an
+        ordinary waiting request. Returns the blocks it had reserved (the caller frees or sets them
+        aside: a transfer may still be writing into them)."""
+        assert request.state in (RequestState.WAITING_REMOTE, RequestState.WAITING_FOR_KV)
+        self._unqueue(request)
+        blocks, request.block_table = request.block_table, []
+        request.num_computed_tokens = request.num_cached_tokens = request.remote_tokens = 0
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+        return blocks
 

@@ -2,7 +2,9 @@
 
 Enabled only by `kvhandoff serve --inject-faults SPEC`, never by default. SPEC is comma-separated:
 - `read_fail` / `write_fail`: every KV READ (WRITE) this worker posts fails.
-- `slow_ms=N`: every READ or WRITE this worker posts leaves N ms late (a slow or congested link).
+- `slow_ms=N`: every READ or WRITE this worker posts leaves N ms late, each on its own (a link's
+  latency): transfers queued together are late together, not one after another.
+- `step_ms=N`: every engine step of this worker takes N ms longer (a slow or overloaded worker).
 - `drop=KIND[+KIND]`: notifications of these kinds are not sent (done, failed, release, renew, cancel,
   unlease); `delay_ms=N`: every notification is sent N ms late.
 - `kill_at=PHASE`: the worker SIGKILLs itself (a crash: no cleanup, no goodbye) the first time one of
@@ -26,8 +28,8 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-KINDS = ("done", "failed", "release", "renew", "cancel", "unlease")
-PHASES = ("registered", "transfer", "decode")
+KINDS = ("done", "failed", "release", "renew", "progress", "cancel", "unlease")
+KILL_PHASES = ("registered", "transfer", "decode")
 KILL_AFTER_TOKENS = 4
 KILL_DELAY_S = 0.2
 
@@ -37,6 +39,7 @@ class Faults:
     read_fail: bool = False
     write_fail: bool = False
     slow_ms: float = 0.0
+    step_ms: float = 0.0
     drop: set[str] = field(default_factory=set)
     delay_ms: float = 0.0
     kill_at: str | None = None
@@ -55,9 +58,9 @@ class Faults:
                 if not kinds <= set(KINDS):
                     raise ValueError(f"drop= takes {'+'.join(KINDS)}, not {value!r}")
                 faults.drop |= kinds
-            elif key in ("delay_ms", "slow_ms") and value:
+            elif key in ("delay_ms", "slow_ms", "step_ms") and value:
                 setattr(faults, key, float(value))
-            elif key == "kill_at" and value in PHASES:
+            elif key == "kill_at" and value in KILL_PHASES:
                 faults.kill_at = value
             else:
                 raise ValueError(f"unknown fault {part.strip()!r}; see kvhandoff/handoff/faults.py")
@@ -66,11 +69,11 @@ class Faults:
     @property
     def any(self) -> bool:
         return (self.read_fail or self.write_fail or bool(self.drop) or self.delay_ms > 0 or self.slow_ms > 0
-                or self.kill_at is not None)
+                or self.step_ms > 0 or self.kill_at is not None)
 
     def reached(self, phase: str, handoff_id: str, delay_s: float = 0.0) -> None:
         """A handoff of this worker reached `phase`: die here if told to."""
-        assert phase in PHASES
+        assert phase in KILL_PHASES
         if self.kill_at != phase:
             return
         self.kill_at = None             # once: a delayed kill must not be scheduled again meanwhile
@@ -82,7 +85,14 @@ class Faults:
         else:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def slow_down(self) -> None:
-        """Before posting a READ or WRITE: hold it back as a slow link would."""
-        if self.slow_ms > 0:
-            time.sleep(self.slow_ms / 1000)
+    def due(self) -> float:
+        """When a transfer queued now may leave: now, or slow_ms later."""
+        return time.monotonic() + self.slow_ms / 1000
+
+
+def wait_until(due: float) -> None:
+    """Hold a queued transfer back until it is due. Queues are FIFO and every item is late by the
+    same amount, so waiting for the head never delays a later item past its own due time."""
+    delay = due - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvhandoff.handoff.modes import COLOCATED, STACK_MODES
 from kvhandoff.serve.auth import SECRET_ENV
 
-MODES = ("colocated", "pull", "pull-reader", "push", "push-layerwise")
 
 
 @dataclass
@@ -53,7 +53,7 @@ class LaunchConfig:
     stop_timeout: float = 15.0
 
     def __post_init__(self):
-        assert self.mode in MODES, f"mode must be one of {MODES}"
+        assert self.mode in STACK_MODES, f"mode must be one of {STACK_MODES}"
         assert self.num_prefill >= 1 and self.num_decode >= 1, "at least one prefill and one decode worker"
         if self.cores is not None:
             allowed = os.sched_getaffinity(0)
@@ -107,7 +107,7 @@ def plan(cfg: LaunchConfig) -> list[Child]:
     port = cfg.port or free_port(cfg.host)
     host_in_url = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     common = ["--log-level", cfg.log_level]
-    if cfg.mode == "colocated":
+    if cfg.mode == COLOCATED:
         threads = cfg.threads or len(cores)
         return [Child("worker", kvhandoff_cmd("serve", "--host", cfg.host, "--port", str(port), *common,
                                               *cfg.worker_args, "--threads", str(threads)),

@@ -127,17 +127,17 @@ class Server:
                     pass
         self.in_flight += 1
 
-    async def prefill(self, kv, request: Request, prompt_ids: list[int], params: SamplingParams) -> Response:
+    async def prefill(self, kv, prompt_ids: list[int], params: SamplingParams) -> Response:
         """Prefill side of a handoff: it holds a slot like any request, until its KV is handed over."""
         try:
             await self.admit()
         except P.APIError as exc:
             # Refused before it started: a decode worker that registered (push) hears it at once, and
             # frees the blocks it reserved, instead of waiting out the registration's time to live.
-            self.handoff.connector.prefill_refused(kv.handoff_id, exc.message)
+            self.handoff.refused(kv, exc.message)
             raise
         try:
-            return await self.handoff.prefill(kv, request, prompt_ids, params)
+            return await self.handoff.prefill(kv, prompt_ids, params)
         finally:
             self.leave()
 
@@ -208,7 +208,7 @@ class Server:
         self.active[rid] = stream
         return stream
 
-    async def kv_route(self, req, request: Request, prompt_ids: list[int]):
+    def kv_route(self, req, request: Request, prompt_ids: list[int]):
         """For a request carrying kv_transfer_params: authenticate it and return (kv, prompt_ids) —
         the decode side of a pull uses the prefill's token ids, never its own tokenization."""
         if req.kv_transfer_params is None:
@@ -217,7 +217,8 @@ class Server:
             raise P.APIError(400, "this worker runs colocated (--role both) and takes no handoffs",
                              param="kv_transfer_params")
         kv = self.handoff.parse(req.kv_transfer_params, request)
-        return kv, (kv.remote_prompt_ids or prompt_ids)
+        remote = getattr(kv, "remote", None)
+        return kv, (list(remote.prompt_token_ids) if remote is not None else prompt_ids)
 
     def release(self, stream: RequestStream) -> None:
         stream.close()
@@ -270,66 +271,77 @@ class Server:
                 if out.finished and usage_chunk is not None:
                     usage_chunk.update(usage=P.usage(out.num_prompt_tokens, out.num_output_tokens,
                                                      out.num_cached_tokens), timings=out.timings)
+                    if out.handoff is not None:         # the last chunk carries it too
+                        usage_chunk["handoff"] = out.handoff
                     yield sse_event(usage_chunk)
             yield "data: [DONE]\n\n"
         finally:                       # client disconnect cancels us here: abort frees the blocks
             self.release(stream)
 
     # -- endpoints ----------------------------------------------------------------------------------
-    async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
+    async def respond(self, endpoint: "Endpoint", req, request: Request) -> Response:
+        """/v1/completions and /v1/chat/completions: one path; `endpoint` builds the prompt and shapes
+        the answer."""
         self.check_model(req.model)
         req.check_supported()
-        kv, prompt_ids = await self.kv_route(req, request, self.completion_prompt(req))
-        max_tokens = self.check_length(len(prompt_ids), req.max_tokens if req.max_tokens is not None else 16,
-                                       "prompt")
-        params = req.sampling_params(max_tokens)
+        kv, prompt_ids = self.kv_route(req, request, endpoint.prompt(self, req))
+        params = req.sampling_params(endpoint.max_tokens(self, req, len(prompt_ids)))
         if kv is not None and kv.role == "prefill":
-            return await self.prefill(kv, request, prompt_ids, params)
-        rid, created, model = (kv.handoff_id if kv else P.new_id("cmpl")), P.now(), self.info.served_name
-        stream = await self.open_stream(COMPLETIONS, rid, prompt_ids, params, kv)
+            return await self.prefill(kv, prompt_ids, params)
+        rid, created, model = (kv.handoff_id if kv else P.new_id(endpoint.id_prefix)), P.now(), self.info.served_name
+        stream = await self.open_stream(endpoint.path, rid, prompt_ids, params, kv)
         if req.stream:
-            usage_chunk = ({"id": rid, "object": "text_completion", "created": created, "model": model,
+            usage_chunk = ({"id": rid, "object": endpoint.chunk_object, "created": created, "model": model,
                             "choices": []} if req.include_usage else None)
-            body = self.sse(stream, [], lambda o: P.completion_chunk(rid, created, model, o.new_text,
-                                                                     o.finish_reason if o.finished else None),
-                            usage_chunk)
+            body = self.sse(stream, endpoint.first_chunks(rid, created, model),
+                            lambda o: endpoint.chunk(rid, created, model, o), usage_chunk)
             return SSEResponse(body, on_close=lambda: self.release(stream))
         result = await self.collect(stream, request)
         if result is None:
             return Response(status_code=499)   # nobody is listening; nginx's "client closed request"
         text, final = result
-        return engine_failure(final) or JSONResponse(with_handoff(P.completion_response(
-            rid, created, model, text, final.finish_reason,
-            P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens), final.timings), final))
+        usage = P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens)
+        return engine_failure(final) or JSONResponse(with_handoff(endpoint.response(
+            rid, created, model, text, final.finish_reason, usage, final.timings), final))
 
-    async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
-        req.check_supported()
-        kv, prompt_ids = await self.kv_route(req, request, self.chat_prompt(req))
-        max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.check_length(len(prompt_ids), req.requested_max_tokens, "messages", max_field)
-        params = req.sampling_params(max_tokens)
-        if kv is not None and kv.role == "prefill":
-            return await self.prefill(kv, request, prompt_ids, params)
-        rid, created, model = (kv.handoff_id if kv else P.new_id("chatcmpl")), P.now(), self.info.served_name
-        stream = await self.open_stream(CHAT, rid, prompt_ids, params, kv)
-        if req.stream:
-            # OpenAI's first chunk announces the role; content follows in later deltas.
-            first = [P.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})]
-            usage_chunk = ({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": []} if req.include_usage else None)
-            body = self.sse(stream, first,
-                            lambda o: P.chat_chunk(rid, created, model, {"content": o.new_text} if o.new_text else {},
-                                                   o.finish_reason if o.finished else None),
-                            usage_chunk)
-            return SSEResponse(body, on_close=lambda: self.release(stream))
-        result = await self.collect(stream, request)
-        if result is None:
-            return Response(status_code=499)
-        text, final = result
-        return engine_failure(final) or JSONResponse(with_handoff(P.chat_response(
-            rid, created, model, text, final.finish_reason,
-            P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens), final.timings), final))
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What differs between the two generation endpoints."""
+    path: str
+    id_prefix: str
+    chunk_object: str
+    prompt: Callable[[Server, Any], list[int]]
+    max_tokens: Callable[[Server, Any, int], int]      # (server, request, prompt length) -> checked max_tokens
+    first_chunks: Callable[[str, int, str], list[dict]]
+    chunk: Callable[[str, int, str, RequestOutput], dict]
+    response: Callable[..., dict]
+
+
+def _chat_max_tokens(server: Server, req, num_prompt: int) -> int:
+    field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return server.check_length(num_prompt, req.requested_max_tokens, "messages", field_name)
+
+
+COMPLETION = Endpoint(
+    COMPLETIONS, "cmpl", "text_completion",
+    prompt=lambda server, req: server.completion_prompt(req),
+    max_tokens=lambda server, req, n: server.check_length(n, req.max_tokens if req.max_tokens is not None else 16,
+                                                          "prompt"),
+    first_chunks=lambda rid, created, model: [],
+    chunk=lambda rid, created, model, o: P.completion_chunk(rid, created, model, o.new_text,
+                                                            o.finish_reason if o.finished else None),
+    response=P.completion_response)
+CHAT_COMPLETION = Endpoint(
+    CHAT, "chatcmpl", "chat.completion.chunk",
+    prompt=lambda server, req: server.chat_prompt(req),
+    max_tokens=_chat_max_tokens,
+    # OpenAI's first chunk announces the role; content follows in later deltas.
+    first_chunks=lambda rid, created, model: [P.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})],
+    chunk=lambda rid, created, model, o: P.chat_chunk(rid, created, model,
+                                                      {"content": o.new_text} if o.new_text else {},
+                                                      o.finish_reason if o.finished else None),
+    response=P.chat_response)
 
 
 class RejectionLog:
@@ -402,19 +414,26 @@ class SSEResponse(StreamingResponse):
 # ---------------------------------------------------------------------------------------------------
 # App
 
-async def parse_body(request: Request, cls: type[BaseModel]) -> BaseModel:
-    """Parse and validate a JSON body ourselves rather than through FastAPI's body parameters: any
-    Content-Type is accepted (curl -d sends form-urlencoded) and every failure becomes one 400
-    whose message names the field."""
+async def read_json_object(request: Request) -> dict:
+    """The body as a JSON object, or one 400 that says what is wrong with it: the one body check of
+    the public endpoints, the router's and the control endpoints (any Content-Type is accepted: curl
+    -d sends form-urlencoded)."""
     raw = await request.body()
     if not raw.strip():
         raise P.APIError(400, "the request body is empty; send a JSON object")
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:
         raise P.APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise P.APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+async def parse_body(request: Request, cls: type[BaseModel]) -> BaseModel:
+    """Parse and validate a JSON body ourselves rather than through FastAPI's body parameters: every
+    failure becomes one 400 whose message names the field."""
+    data = await read_json_object(request)
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -503,11 +522,11 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo, max_in_flight: int | 
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):
-        return await srv.completions(await parse_body(request, P.CompletionRequest), request)
+        return await srv.respond(COMPLETION, await parse_body(request, P.CompletionRequest), request)
 
     @app.post(CHAT)
     async def chat_completions(request: Request):
-        return await srv.chat(await parse_body(request, P.ChatCompletionRequest), request)
+        return await srv.respond(CHAT_COMPLETION, await parse_body(request, P.ChatCompletionRequest), request)
 
     @app.get("/v1/models")
     async def models():

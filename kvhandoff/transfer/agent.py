@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -74,18 +75,24 @@ class TransferAgent:
     """One process's end of the data plane. `secret` is shared by every agent that may talk to this
     one; `backend` "auto" picks shm or tcp per transfer, "shm"/"tcp" force one, "nixl" sends through
     NIXL (peers need it too). The server listens on `listen_host` (loopback by default); a peer that
-    moves no byte for `peer_timeout_s` is declared dead (we ping every `heartbeat_s` when idle).
+    moves no byte for `peer_timeout_s` is declared dead (we ping every `heartbeat_s` when a connection
+    is quiet in either direction: a peer answers a ping, never a notification).
     `shm_dir` holds allocated regions: a huge-page tmpfs there doubles shm speed (see memory.py)."""
 
     def __init__(self, name: str, secret: bytes | str, backend: str = "auto", listen_host: str = "127.0.0.1",
                  listen_port: int = 0, *, advertise_host: str | None = None, shm_dir: str = SHM_DIR,
-                 heartbeat_s: float = 1.0, peer_timeout_s: float = 10.0, connect_timeout_s: float = 5.0):
+                 heartbeat_s: float = 1.0, peer_timeout_s: float = 10.0, connect_timeout_s: float = 5.0,
+                 protocol: str = "", on_peer_lost: Callable[[str, str], None] | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         if not secret:
             raise ValueError("a shared secret is required: peers authenticate with it")
         assert heartbeat_s < peer_timeout_s, "a peer must hear from us before it gives up on us"
-        self.name, self.backend = name, backend
+        self.name, self.backend, self.protocol = name, backend, protocol
+        # Told (name, reason), on the thread that noticed, when a peer's connection dies: every
+        # transfer posted to it has failed (and every later one fails at once, "connection lost"),
+        # `peers` no longer lists it, and add_peer connects to it anew.
+        self.on_peer_lost = on_peer_lost
         self.instance = secrets.token_hex(8)
         self._secret = secret.encode() if isinstance(secret, str) else bytes(secret)
         self._heartbeat_s, self._peer_timeout_s, self._connect_timeout_s = heartbeat_s, peer_timeout_s, connect_timeout_s
@@ -110,7 +117,8 @@ class TransferAgent:
             self._nixl = NixlEngine(name, on_notify=self._deliver)
         self._server = Server(name, self._secret, listen_host, listen_port, regions=lambda: self._by_id,
                               welcome=self._grant_table, on_notify=self._deliver, on_closed=self._inbound_closed,
-                              peer_timeout_s=peer_timeout_s, handshake_timeout_s=connect_timeout_s)
+                              peer_timeout_s=peer_timeout_s, handshake_timeout_s=connect_timeout_s,
+                              protocol=protocol)
         if advertise_host is None and listen_host in ("0.0.0.0", "::", ""):
             self._server.close()
             raise ValueError("listening on every interface: pass advertise_host, the address peers connect to")
@@ -187,7 +195,8 @@ class TransferAgent:
     def metadata(self) -> bytes:
         """What a peer needs to reach and authenticate us. Never contains the secret."""
         return json.dumps({"v": METADATA_VERSION, "name": self.name, "instance": self.instance, "host": self._host,
-                           "pid": os.getpid(), "addr": list(self.address), "nixl": self._nixl is not None}).encode()
+                           "pid": os.getpid(), "addr": list(self.address), "nixl": self._nixl is not None,
+                           "protocol": self.protocol}).encode()
 
     def add_peer(self, metadata: bytes) -> str:
         """Connect to and authenticate the agent described by `metadata`; returns its name.
@@ -202,6 +211,9 @@ class TransferAgent:
             raise PeerError(f"malformed peer metadata: {e!r}") from None
         if version != METADATA_VERSION:
             raise PeerError(f"peer {name!r} speaks metadata version {version!r}, we speak {METADATA_VERSION}")
+        if meta.get("protocol", "") != self.protocol:
+            raise PeerError(f"peer {name!r} speaks protocol {meta.get('protocol', '')!r}, this agent "
+                            f"{self.protocol!r}: run the same version everywhere")
         if name == self.name:
             raise PeerError(f"peer {name!r} has this agent's own name")
         if self.backend == "nixl" and not meta.get("nixl"):
@@ -212,7 +224,8 @@ class TransferAgent:
             raise PeerError(f"cannot connect to peer {name!r} at {address[0]}:{address[1]}: {e}") from None
         try:
             welcome = client_handshake(sock, self.name, name, self._secret,
-                                       {"instance": self.instance, "host": self._host, "pid": os.getpid()})
+                                       {"instance": self.instance, "host": self._host, "pid": os.getpid(),
+                                        "protocol": self.protocol})
         except BaseException as e:
             sock.close()
             if isinstance(e, (OSError, ValueError, KeyError, TypeError, AttributeError)):
@@ -249,7 +262,8 @@ class TransferAgent:
 
     @property
     def peers(self) -> list[str]:
-        return list(self._peers)
+        """The peers we have a live connection to."""
+        return [name for name, peer in list(self._peers.items()) if peer.channel.dead is None]
 
     def peer_backend(self, name: str) -> str:
         """The backend transfers to `name` use for regions that are all mapped ("shm") or not."""
@@ -278,11 +292,13 @@ class TransferAgent:
         local.check_bounds({r.name: r.nbytes for r in local_regions if r is not None}, "local")
         remote.check_bounds({n: g["nbytes"] for n, g in grants.items()}, f"peer {peer.name!r}")
         p = plan(local, remote)
+        if peer.channel.dead is not None:       # (its mappings are gone: no backend to choose)
+            handle = Handle(op, peer.name, self.backend, p.nbytes, len(p))
+            handle._finish(f"connection lost: {peer.channel.dead}")
+            return handle
         backend = self._choose_backend(peer, remote.names, mapped)
         handle = Handle(op, peer.name, backend, p.nbytes, len(p))
-        if peer.channel.dead is not None:
-            handle._finish(f"connection lost: {peer.channel.dead}")
-        elif backend == "shm":
+        if backend == "shm":
             self._post_shm(op, peer, p, [r.array for r in local_regions], [mapped[n] for n in p.remote.names],
                            handle, notify)
         elif backend == "nixl":
@@ -463,8 +479,14 @@ class TransferAgent:
         if peer is None or peer.channel.dead is None:
             return                                  # a channel we closed ourselves (removed, replaced)
         log.warning("%s: connection to peer %r lost: %s", self.name, peer_name, reason)
+        peer.release()                              # its mappings: a dead peer's pool is never read again
         if peer.same_host:
             self._schedule_sweep(int(peer.pid))
+        if self.on_peer_lost is not None:
+            try:
+                self.on_peer_lost(peer_name, reason)
+            except Exception:
+                log.exception("%s: on_peer_lost(%r) failed", self.name, peer_name)
 
     def _inbound_closed(self, conn: Inbound, reason: str) -> None:
         log.info("%s: peer %r disconnected from us: %s", self.name, conn.peer, reason)
@@ -497,8 +519,12 @@ class TransferAgent:
         while not self._stop.wait(tick):
             now = time.monotonic()
             for peer in list(self._peers.values()):
-                if peer.channel.dead is None and now - peer.channel.last_sent >= self._heartbeat_s:
-                    peer.channel.ping()
+                # Quiet either way: a peer we only send notifications to answers none of them, and
+                # our receiver gives up on a peer it has not heard from in peer_timeout_s.
+                channel, beat = peer.channel, self._heartbeat_s
+                quiet = now - channel.last_sent >= beat or now - channel.last_received >= beat
+                if channel.dead is None and quiet and now - channel.last_ping >= beat:
+                    channel.ping()
             if now >= next_full_sweep:      # owners that died before any peer connected to them
                 sweep_stale_segments(directory=self._shm_dir)
                 next_full_sweep = now + STALE_SWEEP_S

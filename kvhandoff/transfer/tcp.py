@@ -68,12 +68,18 @@ def client_handshake(sock: socket.socket, me: str, expected: str, secret: bytes,
     return json.loads(body)
 
 
-def server_handshake(sock: socket.socket, me: str, secret: bytes, welcome: Callable[[], dict]) -> dict:
-    """Authenticate both ways as server; returns the client's HELLO. Raises on any failure."""
+def server_handshake(sock: socket.socket, me: str, secret: bytes, welcome: Callable[[], dict],
+                     protocol: str = "") -> dict:
+    """Authenticate both ways as server; returns the client's HELLO. Raises on any failure. A client
+    speaking another application `protocol` is refused, with both names in the reason."""
     kind, _, body = recv_frame(sock, MAX_PREAUTH_BODY)
     hello = json.loads(body)
     if kind is not Kind.HELLO or hello.get("v") != HANDSHAKE_VERSION:
         raise AuthenticationError(f"expected HELLO v{HANDSHAKE_VERSION}, got {kind.name} {hello.get('v')}")
+    if hello.get("protocol", "") != protocol:
+        reason = f"{hello.get('name')!r} speaks protocol {hello.get('protocol', '')!r}, {me!r} speaks {protocol!r}"
+        sock.sendall(json_frame(Kind.REFUSED, {"reason": reason}))
+        raise AuthenticationError(reason)
     client, nonce_c = str(hello["name"]), bytes.fromhex(hello["nonce"])
     if len(nonce_c) != 32:
         raise AuthenticationError("bad nonce")
@@ -107,8 +113,9 @@ class Inbound:
 class Server:
     def __init__(self, name: str, secret: bytes, host: str, port: int, *, regions: Callable[[], dict[int, Region]],
                  welcome: Callable[[], dict], on_notify: Callable[[str, bytes], None],
-                 on_closed: Callable[[Inbound, str], None], peer_timeout_s: float, handshake_timeout_s: float):
-        self.name, self._secret = name, secret
+                 on_closed: Callable[[Inbound, str], None], peer_timeout_s: float, handshake_timeout_s: float,
+                 protocol: str = ""):
+        self.name, self._secret, self._protocol = name, secret, protocol
         self._regions, self._welcome, self._on_notify, self._on_closed = regions, welcome, on_notify, on_closed
         self._peer_timeout_s, self._handshake_timeout_s = peer_timeout_s, handshake_timeout_s
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -158,7 +165,7 @@ class Server:
     def _serve(self, sock: socket.socket, addr) -> None:
         try:
             tune(sock, self._handshake_timeout_s)
-            hello = server_handshake(sock, self.name, self._secret, self._welcome)
+            hello = server_handshake(sock, self.name, self._secret, self._welcome, self._protocol)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, AuthenticationError) as e:
             log.warning("%s: handshake from %s refused: %s", self.name, addr, e)
             sock.close()
@@ -283,7 +290,7 @@ class Channel:
         self._send_lock = threading.Lock()   # held while bytes go out: frames never interleave
         self._lock = threading.Lock()
         self.dead: str | None = None
-        self.last_sent = time.monotonic()
+        self.last_sent = self.last_received = self.last_ping = time.monotonic()
         self._sender = threading.Thread(target=self._send_loop, name=f"kvh-send-{peer}", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name=f"kvh-recv-{peer}", daemon=True)
         self._sender.start()
@@ -314,6 +321,7 @@ class Channel:
             self._fail_outbox()
 
     def ping(self) -> None:
+        self.last_ping = time.monotonic()
         self._send([frame(Kind.PING)])
 
     def _send(self, buffers: Iterable, handle: Handle | None = None, small: bool = False) -> None:
@@ -371,6 +379,7 @@ class Channel:
         try:
             while True:
                 kind, req_id, length = FRAME.unpack(recv_exact(self.sock, FRAME.size))
+                self.last_received = time.monotonic()
                 kind = Kind(kind)
                 if kind is Kind.READ_DATA:
                     # Looked up, not removed, until the payload is in: if the connection dies halfway,

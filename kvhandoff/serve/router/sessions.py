@@ -9,9 +9,14 @@ never a wrong token.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger("kvhandoff.router")
 
 
 @dataclass
@@ -85,3 +90,56 @@ class SessionMap:
         """Drop and return the expired entries."""
         now = time.monotonic()
         return [self.drop(key) for key, entry in list(self.entries.items()) if entry.expiry <= now]
+
+
+class Sessions:
+    """The router's side of bidirectional reuse: find a request's history, remember where a turn's
+    KV was kept, and tell a worker whose entry moved elsewhere that it can free it."""
+
+    def __init__(self, router):
+        self.router = router
+        self.map = SessionMap()
+        self.last_sweep = 0.0
+
+    async def find(self, attempt) -> SessionEntry | None:
+        """Where this conversation's history is kept: by the client's session id, else by the longest
+        block-hash match of the prompt (its hashes come from a prefill worker, which tokenizes)."""
+        now = time.monotonic()
+        if now - self.last_sweep > 1.0:
+            self.last_sweep = now
+            for entry in self.map.sweep():
+                log.debug("session %s: retained KV expired", entry.key)
+        if attempt.session_id is not None:
+            return self.map.get(attempt.session_id)
+        if not len(self.map):
+            return None
+        worker = self.router.pool.least_loaded("prefill")
+        try:
+            resp = await self.router.client.post(worker.url + "/kv/prompt", headers=self.router.auth, timeout=10.0,
+                                                 json={"endpoint": attempt.endpoint, "request": attempt.body})
+            hashes = resp.json().get("block_hashes") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            log.warning("handoff %s: no prompt hashes from %s (%s): no reuse", attempt.handoff_id, worker.url, e)
+            return None
+        return self.map.match(hashes) if isinstance(hashes, list) else None
+
+    def remember(self, attempt, merged: dict) -> None:
+        """Record where this turn's KV is kept now; forget (and free) the turn it replaces."""
+        retained = merged.get("retained")
+        old = attempt.candidate
+        if not isinstance(retained, dict) or not isinstance(retained.get("retention_id"), str):
+            return                       # not kept (an error, or the worker has no retention): keep the old one
+        key = attempt.session_id or f"anon:{retained['retention_id']}"
+        if old is not None:
+            self.map.drop(old.key)
+            if old.decode_url != attempt.decode.url:     # superseded on another worker: it can free it now
+                holder = self.router.pool.find(old.decode_url)
+                if holder is not None:
+                    self.router.tell(holder, "/kv/retained/release", {"retention_id": old.retention_id})
+        hashes = retained.get("block_hashes") or []
+        self.map.record(SessionEntry(key, attempt.decode.url, retained["retention_id"],
+                                     int(retained.get("num_tokens", 0)), list(hashes),
+                                     time.monotonic() + float(retained.get("expires_in_s", 0)),
+                                     int(retained.get("bytes", 0))))
+        # The client sees where its history is kept, not the hash chain (protocol payload).
+        merged["retained"] = {k: v for k, v in retained.items() if k != "block_hashes"} | {"session": key}

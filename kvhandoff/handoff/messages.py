@@ -1,0 +1,293 @@
+"""The wire contract between router, prefill workers and decode workers (docs/HANDOFF.md), versioned.
+
+One msgspec Struct per message and direction. Every message that arrives goes through `parse`,
+which checks types strictly (a bool is not an int, a string is not a number) and turns anything
+malformed into a MessageError naming the field, which the HTTP side answers with 400. A peer of
+another protocol version is refused where it first shows: the transfer agents' handshake (the agent
+is created with PROTOCOL as its protocol name), `kv_transfer_params` and the push registration.
+
+Notifications between transfer agents are a tagged union (`kind`); `decode_notification` returns
+the right Struct, and receivers dispatch on its type.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from kvhandoff.handoff.modes import Mode
+
+PROTOCOL_VERSION = 2        # 1: untyped dicts, before this module (no version field)
+PROTOCOL = f"kvhandoff-handoff/{PROTOCOL_VERSION}"     # the transfer agents' handshake compares it
+Role = Literal["prefill", "decode"]
+ROLES = ("prefill", "decode")
+# Per-request phases every handoff object reports, in ms (docs/HANDOFF.md): the one definition.
+PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
+Phases = dict[str, Union[float, None]]
+
+
+class MessageError(ValueError):
+    """A message that does not follow the contract; `str()` says which field and why."""
+
+
+class Message(msgspec.Struct, omit_defaults=True):
+    def to_dict(self) -> dict:
+        return msgspec.to_builtins(self)
+
+
+def parse(cls: type, data, what: str):
+    """`data` (JSON bytes or already-decoded builtins) as a `cls`, or MessageError naming `what`."""
+    try:
+        if isinstance(data, (bytes, bytearray, memoryview, str)):
+            return msgspec.json.decode(data, type=cls)
+        return msgspec.convert(data, cls)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MessageError(f"{what}: {exc}") from None
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(message)
+
+
+def check_version(version: int, what: str) -> None:
+    if version != PROTOCOL_VERSION:
+        raise MessageError(f"{what} speaks handoff protocol version {version}; this worker speaks "
+                           f"{PROTOCOL_VERSION}: run the same kvhandoff version on every process of a deployment")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Router -> worker: `kv_transfer_params` in the OpenAI body, one Struct per mode family and role.
+
+class ReuseCandidate(Message):
+    """Bidirectional: where the router believes the conversation's history is kept."""
+    decode_url: str
+    retention_id: str
+    block_hashes: list[str]
+    num_tokens: int = 0
+    expires_in_s: float | None = None
+
+
+class PullHandoff(Message):
+    """A pull prefill's answer: where the prompt's KV is pinned, under a lease. The router passes it
+    to the decode worker unchanged, as `remote`. (No version of its own: the decode worker checks the
+    router's, and its agent's handshake with the prefill's checks theirs.)"""
+    prompt_token_ids: list[int]
+    num_kv_tokens: int                  # the whole prompt
+    block_ids: list[int]
+    checksums: list[int]                # CRC-32 per block
+    agent_metadata: str                 # base64 of the prefill agent's metadata
+    first_token_id: int | None = None   # sampled by the prefill (checked by the decode side: 400 if missing)
+    handoff_id: str = ""
+    prefill_worker: str = ""
+    lease_ms: float = 0.0
+    phases_ms: Phases = {}
+    reused_tokens: int = 0
+    reverse_bytes: int = 0
+    reuse_decision: dict | None = None
+
+
+class _Params(Message):
+    handoff_id: str
+    mode: Mode
+    role: Role
+    protocol_version: int
+
+
+class PullPrefillParams(_Params):
+    reuse: ReuseCandidate | None = None
+
+
+class PushPrefillParams(_Params):
+    decode_url: str | None = None       # informational: the registration names the destination
+    reuse: ReuseCandidate | None = None
+
+
+class PullDecodeParams(_Params):
+    remote: PullHandoff
+    retain: bool = False                # bidirectional: keep this turn's KV when it finishes
+    supersedes: str | None = None       # ... replacing this retained turn
+
+
+class PushDecodeParams(_Params):
+    prefill_url: str
+    retain: bool = False
+    supersedes: str | None = None
+
+
+KVParams = Union[PullPrefillParams, PushPrefillParams, PullDecodeParams, PushDecodeParams]
+_PARAMS = {(True, "prefill"): PullPrefillParams, (False, "prefill"): PushPrefillParams,
+           (True, "decode"): PullDecodeParams, (False, "decode"): PushDecodeParams}
+
+
+def parse_params(data) -> KVParams:
+    """`kv_transfer_params` as the Struct of its mode and role."""
+    if not isinstance(data, dict):
+        raise MessageError("kv_transfer_params must be an object")
+    head = parse(_Head, data, "kv_transfer_params")
+    check_version(head.protocol_version, "the router")
+    return parse(_PARAMS[head.mode.is_pull, head.role], data, "kv_transfer_params")
+
+
+class _Head(msgspec.Struct):
+    handoff_id: str
+    mode: Mode
+    role: Role
+    protocol_version: int = 1           # a router from before versioning sends none
+
+
+def params(handoff_id: str, mode: Mode, role: str, **fields) -> dict:
+    """What the router puts into `kv_transfer_params`. (Not checked here: the router forwards what the
+    prefill answered as `remote` untouched, and the worker checks everything.)"""
+    assert (mode.is_pull, role) in _PARAMS
+    return {"handoff_id": handoff_id, "mode": mode.value, "role": role, "protocol_version": PROTOCOL_VERSION,
+            **{k: v for k, v in fields.items() if v is not None}}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker -> worker over HTTP (control token required)
+
+class Registration(Message):
+    """Push: decode -> prefill `/kv/register`: where the handoff's KV must be written."""
+    handoff_id: str
+    mode: Mode
+    decode_worker: str
+    agent_metadata: str
+    block_ids: list[int]                # every block of the prompt's KV on the decode side
+    num_kv_tokens: int
+    prompt_hash: str
+    ttl_ms: float                       # the timing rule (push.py): WRITEs start within one ttl of decode's last word
+    protocol_version: int
+    skip_blocks: int = 0                # leading blocks decode holds already (its prefix cache): not written
+
+
+class HandoffRef(Message):
+    """`/kv/release` (pull: the pinned KV will not be read) and `/kv/cancel` (the router gave up)."""
+    handoff_id: str
+
+
+class KVFailed(Message):
+    """Router -> decode `/kv/failed`: the push prefill leg failed (5xx, or its connection broke)."""
+    handoff_id: str
+    reason: str = "the prefill failed"
+    prefill_answered: bool = False      # it answered, so no WRITE of it is still in flight
+    recompute: bool | None = None       # the router's --retry-colocated overrides a `fail` policy
+
+
+class RetainedRef(Message):
+    """Router -> decode `/kv/retained/release`: the conversation moved on."""
+    retention_id: str
+
+
+class LeaseRequest(Message):
+    """Prefill -> decode `/kv/retained/lease`: hold a retained conversation's blocks for a READ."""
+    retention_id: str
+    num_blocks: int
+
+
+class ReadLease(Message):
+    """The decode worker's answer to a LeaseRequest: where the blocks are, and their checksums."""
+    lease_id: str
+    block_ids: list[int]
+    checksums: list[int]
+    agent_metadata: str
+    num_tokens: int
+    lease_s: float
+
+
+class PromptQuery(Message):
+    """Router -> worker `/kv/prompt`: the block hashes of a request's prompt (sessions by content)."""
+    endpoint: str
+    request: dict
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker -> router: the handoff objects in answers
+
+class PushPrefillAnswer(Message):
+    handoff_id: str
+    prefill_worker: str
+    num_kv_tokens: int
+    blocks: int
+    phases_ms: Phases
+    bytes_transferred: int = 0
+    bytes_before_prefill_end: int | None = None     # layer-wise: what left while the prompt computed
+    reused_tokens: int = 0
+    reverse_bytes: int = 0
+    reuse_decision: dict | None = None
+
+
+class Retained(Message):
+    """A turn whose KV the decode worker keeps (bidirectional)."""
+    retention_id: str
+    num_tokens: int
+    block_hashes: list[str]
+    expires_in_s: float
+    bytes: int
+
+
+class DecodeReport(Message):
+    """The decode worker's `handoff` object on its final output."""
+    handoff_id: str
+    mode: Mode
+    decode_worker: str
+    bytes_transferred: int
+    blocks: int
+    decode_cached_tokens: int
+    kv_source: Literal["remote", "recomputed"]
+    phases_ms: Phases
+    error: str | None = None
+    retained: Retained | None = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Notifications between transfer agents (each names its handoff; a READ lease names its lease)
+
+class _Note(msgspec.Struct, tag_field="kind"):
+    pass
+
+
+class Done(_Note, tag="done"):
+    """Push, prefill -> decode, riding on the last WRITE: the KV is whole; these are its checksums."""
+    handoff_id: str
+    checksums: list[int]
+    first_token: int
+
+
+class Failed(_Note, tag="failed"):
+    """Either way: this handoff failed on my side (a WRITE failed, the prompt was refused...)."""
+    handoff_id: str
+    reason: str
+
+
+class Release(_Note, tag="release"):
+    """Pull, decode -> prefill: read (or given up): unpin the blocks."""
+    handoff_id: str
+
+
+class Renew(_Note, tag="renew"):
+    """Decode -> prefill, while it still waits: pull: keep the lease; push: the destination still
+    stands (the WRITE may start up to one more ttl from now)."""
+    handoff_id: str
+
+
+class Progress(_Note, tag="progress"):
+    """Push, prefill -> decode: more of the prompt was computed since the last one (keep-alive)."""
+    handoff_id: str
+
+
+class Cancel(_Note, tag="cancel"):
+    """Either way: give this handoff up and free what it holds."""
+    handoff_id: str
+
+
+class Unlease(_Note, tag="unlease"):
+    """Bidirectional, prefill -> decode: the READ of a retained conversation is over."""
+    lease_id: str
+
+
+Notification = Union[Done, Failed, Release, Renew, Progress, Cancel, Unlease]
+NOTIFICATION_KINDS = tuple(cls.__struct_config__.tag for cls in Notification.__args__)
+
+
+def decode_notification(raw: bytes) -> Notification:
+    return parse(Notification, raw, "notification")

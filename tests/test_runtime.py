@@ -1,0 +1,140 @@
+"""The handoff runtime in one process (tiny engine, a real transfer agent with no peer): one outcome
+per handoff whatever races, an engine thread that never waits on the network, threads that start
+only once everything exists, counters that count under concurrency."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvhandoff.config import EngineConfig
+from kvhandoff.engine.engine import LLMEngine
+from kvhandoff.engine.loop import EngineLoop
+from kvhandoff.engine.request import SamplingParams
+from kvhandoff.handoff import messages as M
+from kvhandoff.handoff.config import HandoffConfig
+from kvhandoff.handoff.connector import Connector
+from kvhandoff.handoff.modes import Mode
+from kvhandoff.handoff.runtime import Counters, Incoming
+from kvhandoff.transfer.agent import TransferAgent
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def worker():
+    """(engine loop, connector, agent): a decode-capable worker without HTTP."""
+    agent = TransferAgent("runtime-test", b"runtime-test-secret", protocol=M.PROTOCOL)
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_blocks=64),
+                       kv_allocator=lambda nbytes: agent.allocate_region("kv", nbytes))
+    loop = EngineLoop(engine)
+    before = {t.name for t in threading.enumerate()}
+    connector = Connector(loop, agent, HandoffConfig(kv_timeout_s=5), "runtime-test")
+    # Nothing runs before the connector is whole and started (its threads used to start first).
+    assert not any(t.name.startswith("kvh-") for t in threading.enumerate() if t.name not in before)
+    connector.start()
+    loop.start()
+    yield loop, connector, agent
+    loop.stop()
+    connector.close()
+    agent.close()
+
+
+def test_exactly_one_outcome_per_handoff(worker):
+    """Arrival, failure, deadline, cancel and peer death race for a handoff: the table's claim lets
+    exactly one of them decide it. (A failure racing an arrival once ran both: the engine got
+    kv_failed then kv_ready for one request, and the counters counted it twice.)"""
+    _, connector, _ = worker
+    rt = connector.rt
+    n = 200
+    incomings = [Incoming(f"race-{i}", 32, side=connector.pull_decode, checksums=[], first_token=3) for i in range(n)]
+    for incoming in incomings:
+        rt.table.add(incoming.handoff_id, incoming)
+    before = rt.counters.snapshot()
+    start = threading.Barrier(2)
+
+    def arrive():
+        start.wait()
+        for incoming in incomings:
+            rt.arrived(incoming)
+
+    def fail():
+        start.wait()
+        for incoming in incomings:
+            rt.fail(incoming, "deadline")
+
+    threads = [threading.Thread(target=arrive), threading.Thread(target=fail)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # What the engine was handed (its loop polls the same events: stop it taking them first).
+    landed, lost = set(), set()
+    deadline = time.monotonic() + 1
+    while time.monotonic() < deadline:
+        events = rt.poll()
+        landed |= {e.request_id for e in events.landed}
+        lost |= {e.request_id for e in events.lost}
+        time.sleep(0.01)
+    after = rt.counters.snapshot()
+    decided = (after["handoffs"] - before["handoffs"]) + (after["failures"] - before["failures"])
+    assert decided == n, f"{decided} outcomes for {n} handoffs"
+    assert not landed & lost and len(landed | lost) <= n
+    assert all(rt.table.ended(i.handoff_id) for i in incomings) and not rt.table.entries(Incoming)
+
+
+def test_the_engine_thread_never_waits_on_the_network(worker):
+    """A peer whose socket stalls stalls only the sender thread: the engine thread's hooks queue
+    their notifications and go on. Here the Release that a failed pull READ owes its prefill cannot
+    be sent, and the request still recomputes and finishes, and other requests keep running."""
+    loop, connector, agent = worker
+    stalled, attempts = threading.Event(), []
+
+    def stalled_send(peer, message):            # a socket whose peer reads nothing
+        attempts.append(message)
+        stalled.wait(60)
+    agent.send_notification = stalled_send
+    try:
+        # A notification from the engine thread itself returns at once.
+        started = time.monotonic()
+        loop.call(lambda: connector.rt.notify("ghost", M.Cancel(handoff_id="x"))).result(5)
+        assert time.monotonic() - started < 0.5
+
+        prompt = list(range(10, 110))
+        remote = M.PullHandoff(prompt_token_ids=prompt, num_kv_tokens=len(prompt), block_ids=[0, 1, 2, 3],
+                               checksums=[0, 0, 0, 0], agent_metadata="", first_token_id=5)
+        kv = M.PullDecodeParams(handoff_id="stalled", mode=Mode.PULL, role="decode",
+                                protocol_version=M.PROTOCOL_VERSION, remote=remote)
+        incoming = Incoming("stalled", len(prompt), peer="ghost", mode=Mode.PULL, remote_blocks=[0, 1, 2, 3],
+                            checksums=[0, 0, 0, 0], first_token=5)
+        outputs: dict[str, list] = {"stalled": [], "bystander": []}
+        done = {name: threading.Event() for name in outputs}
+
+        def collector(name):
+            def on_output(out):
+                outputs[name].append(out)
+                if out.finished:
+                    done[name].set()
+            return on_output
+        connector.pull_decode.submit(kv, incoming, prompt, GREEDY, collector("stalled"))
+        loop.submit("bystander", list(range(200, 260)), GREEDY, collector("bystander"))
+        assert done["stalled"].wait(20) and done["bystander"].wait(20)
+        final = outputs["stalled"][-1]
+        assert final.finish_reason == "length" and final.handoff["kv_source"] == "recomputed"
+        deadline = time.monotonic() + 5
+        while len(attempts) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert attempts, "the sender never tried the notifications"
+    finally:
+        stalled.set()
+
+
+def test_counters_count_under_concurrency():
+    counters = Counters()
+    threads = [threading.Thread(target=lambda: [counters.bump("bytes", 3) for _ in range(20000)]) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counters.snapshot()["bytes"] == 8 * 20000 * 3
