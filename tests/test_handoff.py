@@ -123,6 +123,25 @@ def test_handoffs_need_the_control_token(workers):
     assert control_headers("not-the-secret")["Authorization"].split()[1] not in log
 
 
+def test_another_protocol_version_is_refused(workers):
+    """A router (or decode worker) of another kvhandoff version: a 400 that names both versions, not
+    a handoff that half-works; the worker still serves."""
+    for role in ("prefill", "decode"):
+        params = {"handoff_id": f"v1-{role}", "mode": "push", "role": role, "protocol_version": 1,
+                  "decode_url": workers["decode"].url, "prefill_url": workers["prefill"].url}
+        r = httpx.post(f"{workers[role].url}/v1/completions", headers=HEADERS, timeout=30,
+                       json={**body(PROMPTS[0]), "kv_transfer_params": params})
+        assert r.status_code == 400 and "version 1" in r.json()["error"]["message"] and \
+            f"speaks {PROTOCOL_VERSION}" in r.json()["error"]["message"], r.text
+    info = httpx.get(f"{workers['decode'].url}/kv/info", headers=HEADERS, timeout=10).json()
+    registration = {"handoff_id": "v1-reg", "mode": "push", "decode_worker": "d", "agent_metadata": info["agent_metadata"],
+                    "block_ids": [0], "num_kv_tokens": 1, "prompt_hash": "x", "ttl_ms": 1000, "protocol_version": 1}
+    r = httpx.post(f"{workers['prefill'].url}/kv/register", headers=HEADERS, json=registration, timeout=10)
+    assert r.status_code == 400 and "version 1" in r.json()["error"]["message"], r.text
+    assert info["protocol_version"] == PROTOCOL_VERSION
+    assert httpx.post(f"{workers['prefill'].url}/v1/completions", json=body("still serving"), timeout=30).status_code == 200
+
+
 def test_expired_lease_is_detected_and_recomputed(tmp_path, workers, reference):
     """Prefill frees the blocks when the lease runs out and reuses them; the decode side's READ then
     gets someone else's KV, which verification must catch (recompute: right tokens, no garbage)."""

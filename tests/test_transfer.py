@@ -2,6 +2,7 @@
 nixl, refusing what they must refuse, and failing (not hanging) when the peer dies or hangs."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -219,6 +220,22 @@ def test_wrong_secret_is_refused_both_ways_and_changes_nothing(remote):
         local.register("buf", bytearray(MIB))
         assert local.add_peer(meta) == "remote"
         local.read("remote", [("buf", 0, MIB)], [("kv", 0, MIB)]).wait(10)
+
+
+def test_a_peer_of_another_protocol_is_refused_at_the_handshake(remote):
+    """Agents created with another application protocol (another kvhandoff version) do not talk:
+    refused from the metadata, and by the server's handshake if the metadata was doctored."""
+    meta = remote.call("create", "remote", SECRET, protocol="kvhandoff-handoff/2")
+    remote.call("allocate", "kv", MIB)
+    with TransferAgent("older", SECRET, protocol="kvhandoff-handoff/1") as older:
+        with pytest.raises(PeerError, match="speaks protocol 'kvhandoff-handoff/2'.*'kvhandoff-handoff/1'"):
+            older.add_peer(meta)
+        doctored = json.dumps({**json.loads(meta), "protocol": "kvhandoff-handoff/1"}).encode()
+        with pytest.raises(AuthenticationError, match="speaks protocol 'kvhandoff-handoff/1'.*'kvhandoff-handoff/2'"):
+            older.add_peer(doctored)
+        assert older.peers == [] and remote.call("peers") == []
+    with TransferAgent("same", SECRET, protocol="kvhandoff-handoff/2") as same:
+        assert same.add_peer(meta) == "remote"
 
 
 @pytest.mark.parametrize("backend", ["shm", "tcp"])

@@ -120,7 +120,11 @@ class PushPrefill(FetchingPrefill):
         aio, ended = asyncio.get_running_loop(), asyncio.Event()
         job.waiters.append(lambda: aio.call_soon_threadsafe(ended.set))
         if not job.finished.is_set():
-            await asyncio.wait_for(ended.wait(), 4 * self.rt.cfg.kv_timeout_s)
+            try:
+                await asyncio.wait_for(ended.wait(), 4 * self.rt.cfg.kv_timeout_s)
+            except TimeoutError:
+                raise HandoffError(f"the KV write of handoff {job.handoff_id} did not end within "
+                                   f"{4 * self.rt.cfg.kv_timeout_s:.0f} s", 504) from None
 
     def refused(self, handoff_id: str, reason: str) -> None:
         """The prefill leg was refused before it started (busy, invalid): a registered decode worker
