@@ -146,6 +146,7 @@ class PushPrefill(FetchingPrefill):
         self.observe(out)
         with job.lock:
             job.prefilled, job.prefilled_at = out, time.monotonic()
+        self._keep_alive(job, job.prefilled_at, out.num_kv_tokens)
         self._maybe_start(job)
         return True
 
@@ -283,9 +284,20 @@ class PushPrefill(FetchingPrefill):
                     self._end(job, "the other side of the handoff never arrived")
                     if job.prefilled is not None:
                         self.rt.release(job.handoff_id)
-            elif now - job.progress_at > job.ttl_s / 3 and (computed := self._computed(job)) > job.progress_tokens:
-                job.progress_at, job.progress_tokens = now, computed
-                self.rt.notify(job.peer, M.Progress(handoff_id=job.handoff_id))
+            else:
+                self._keep_alive(job, now, self._computed(job))
+
+    def _keep_alive(self, job: PushJob, now: float, computed: int) -> None:
+        """Progress to a registered decode worker, at most every ttl / 3 and only when more of the
+        prompt was computed. Also checked as the prompt completes: its WRITE starts then, and the
+        housekeeper skips started jobs, so without it a prompt computed in one step late in the ttl
+        left decode a sliver of its deadline for the WRITE (a slow link's included) and it recomputed
+        (issue 11 bug 4, seen again on a busy 2-core AMD machine)."""
+        with job.lock:
+            if job.registration is None or now - job.progress_at <= job.ttl_s / 3 or computed <= job.progress_tokens:
+                return
+            job.progress_at, job.progress_tokens = now, computed
+        self.rt.notify(job.peer, M.Progress(handoff_id=job.handoff_id))
 
     def _computed(self, job: PushJob) -> int:
         """Prompt tokens the engine has computed so far (a racy read of one int, enough to tell
@@ -307,6 +319,8 @@ class PushDecode(DecodeSide):
         rt.on(M.Failed, Incoming, lambda peer, note, incoming: self.rt.fail(
             incoming, f"prefill worker reported: {note.reason}"))
         rt.on(M.Progress, Incoming, self._progress)
+        # A Progress sent as the prompt completed may overtake its WRITE's Done or trail it: harmless.
+        rt.on(M.Progress, None, lambda peer, note, entry: None)
         rt.on(M.Done, None, self._late)
         rt.on(M.Failed, None, self._late)
         rt.every_tick(self._deadlines)
