@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 
 ARGS = ["--model", "tiny", "--dtype", "float32", "--repeats", "1", "--prompt-len", "64",
-        "--decode-tokens", "8", "--concurrency", "4", "--threads", "1"]
+        "--decode-tokens", "8", "--concurrency", "4", "--threads", "1", "--cached-prefix", "64", "--cached-new", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,21 @@ def test_goals_and_table(report):
     assert all(g["met"] in (True, False) for g in goals)     # HF ran, so every goal has a verdict
     assert any("HF" in g["goal"] for g in goals) and any("ref" in g["goal"] for g in goals)
     assert "prefill 64 tok (ms)" in stdout and "580" in stdout and ("met" in stdout)
+
+
+def test_cached_prefill_and_limits(report):
+    """The cached-prefix prefill is measured against the same new tokens alone, and every figure
+    comes with the machine's floor for it (measured rates, model dimensions)."""
+    data, stdout = report
+    rec = data["results"]["1"]
+    cached = rec["cached_prefill"]
+    assert cached["prefix_tokens"] == 64 and cached["new_tokens"] == 16
+    assert cached["ours"]["median"] > 0 and cached["alone_median_ms"] > 0 and cached["x_alone"] > 0
+    limits = rec["limits"]
+    assert limits["rates"]["matmul_gflops"] > 0 and limits["rates"]["read_gbps"] > 0
+    assert limits["rates"]["threads"] == 1 and limits["rates"]["dtype"] == "float32"
+    assert set(limits["figures"]) == {"prefill_ms", "tpot_ms", "concurrent_step_ms", "cached_prefill_ms",
+                                      "new_tokens_alone_ms"}
+    for name, figure in limits["figures"].items():
+        assert figure["floor"] > 0 and figure["x_floor"] == pytest.approx(figure["measured"] / figure["floor"], rel=0.01), name
+    assert "x floor" in stdout and "GFLOP/s" in stdout

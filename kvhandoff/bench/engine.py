@@ -1,8 +1,8 @@
 """Engine benchmark: our paged-KV engine against Hugging Face transformers, side by side in one run.
 
-    python -m kvhandoff.bench.engine [--model smollm2] [--dtype bfloat16] [--threads 1,2] [--repeats 5]
-        [--prompt-len 1024] [--decode-tokens 128] [--concurrency 16] [--json FILE] [--no-hf]
-        [--dtypes-compare]
+    python -m kvhandoff.bench.engine [--model smollm2] [--dtype auto] [--threads 1,2] [--repeats 5]
+        [--prompt-len 1024] [--decode-tokens 128] [--concurrency 16] [--cached-prefix 1792]
+        [--cached-new 328] [--json FILE] [--no-hf] [--dtypes-compare]
 
 Measured per thread count (issue 2, "Must show (benchmark script)"), each figure for ours and for HF:
   prefill     one prompt of --prompt-len tokens, to its first token.
@@ -13,6 +13,13 @@ Measured per thread count (issue 2, "Must show (benchmark script)"), each figure
   concurrent  aggregate decode tokens/s of --concurrency sequences admitted at once: tokens produced
               after every sequence has its first token, divided by the time that took. The prompts have
               equal lengths (distinct text), so HF's batch needs no padding and does the same work.
+
+Ours only:
+  cached      --cached-new new tokens prefilled after a --cached-prefix prefix the prefix cache
+              holds, against the same number of new tokens alone (ratio per round, then median).
+  limits      the machine's rates measured on the same threads (matrix throughput of the dtype at
+              the prefill's shapes, memory read bandwidth) and each figure beside its floor
+              (kvhandoff.bench.limits): how much of the machine the engine leaves unused.
 
 HF runs a manual greedy loop over model.forward with past_key_values (exactly the forward passes
 `generate` makes, without its logits-processor / stopping-criteria bookkeeping, i.e. HF's best
@@ -45,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from kvhandoff.bench.limits import ModelWork, as_dict, probe
 from kvhandoff.bench.meta import cpu_model, git_commit, log, median
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
@@ -99,6 +107,23 @@ def ours_prefill(engine: LLMEngine, prompt: list[int]) -> tuple[float, list[int]
     out = engine.generate([prompt], params)
     sync(engine.device)
     return time.perf_counter() - t0, out[0]
+
+
+def ours_cached_prefill(engine: LLMEngine, prefix: list[int], new_tokens: list[int]) -> tuple[float, float]:
+    """(seconds to prefill `new_tokens` after `prefix` is in the prefix cache, seconds to prefill
+    `new_tokens` alone). The prefix is computed first and its blocks stay cached; distinct
+    `new_tokens` per call, so nothing of them is cached."""
+    pool, caching = engine.pool, engine.pool.enable_prefix_caching
+    pool.enable_prefix_caching = True
+    try:
+        ours_prefill(engine, prefix)                    # cache the prefix (no-op when still cached)
+        hits = pool.hits
+        cached_s, _ = ours_prefill(engine, prefix + new_tokens)
+        assert pool.hits > hits, "the prefix was not served from the cache"
+    finally:
+        pool.enable_prefix_caching = caching
+    alone_s, _ = ours_prefill(engine, new_tokens)
+    return cached_s, alone_s
 
 
 def ours_decode(engine: LLMEngine, prompts: list[list[int]], n: int) -> tuple[float, float, list[list[int]]]:
@@ -226,6 +251,16 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     hf_fns = {"prefill": hf_prefill_ms, **decode_measures(functools.partial(hf_decode, hf))}
     units = {"prefill": "ms", "tpot": "ms", "concurrent": "tok/s"}
     records = {k: new_record(units[k], sides) for k in units}
+    # Prefill over a cached prefix against the same new tokens alone (ours only: the ratio is the point).
+    cached = new_record("ms", ["ours"]) | {"alone_ms": [], "prefix_tokens": args.cached_prefix,
+                                            "new_tokens": args.cached_new}
+    suffixes = iter(make_suffixes(engine.tokenizer, args.cached_new))
+
+    def cached_prefill_ms():
+        cached_s, alone_s = ours_cached_prefill(engine, cached_prefix, next(suffixes))
+        cached["alone_ms"].append(alone_s * 1e3)
+        return cached_s * 1e3, None
+    cached_prefix = make_prompts(engine.tokenizer, 1, args.cached_prefix)[0]
 
     torch.set_num_threads(threads)
     log(f"threads={threads}: warm-up (every measurement once per side; short decodes)")
@@ -236,13 +271,22 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     if hf is not None:
         hf_decode(hf, single, 1); hf_decode(hf, single, warm_n); hf_decode(hf, warm_batch, warm_n)
 
+    if args.cached_prefix:
+        cached_prefill_ms()
+        cached["alone_ms"].clear()
     for r in range(args.repeats):
         log(f"threads={threads}: round {r + 1}/{args.repeats}")
         for kind in units:
             fns = {"ours": ours_fns[kind]} | ({"hf": hf_fns[kind]} if hf is not None else {})
             run_pair(kind, threads, fns, records[kind], r)
+        if args.cached_prefix:
+            run_pair("cached", threads, {"ours": cached_prefill_ms}, cached, r)
     for kind, rec in records.items():
         summarize(rec, higher_is_better=kind == "concurrent")
+    if args.cached_prefix:
+        cached["ours"]["median"], cached["alone_median_ms"] = median(cached["ours"]["runs"]), median(cached["alone_ms"])
+        cached["x_alone"] = median([c / a for c, a in zip(cached["ours"]["runs"], cached["alone_ms"])])
+        records["cached_prefill"] = cached
 
     # Correctness beside speed: greedy tokens of ours vs HF (single stream, same prompt), and ours
     # batched vs ours alone (batch invariance). bf16 kernels differ, so a late divergence can be a
@@ -258,7 +302,46 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     records["prefill"]["ours"].pop("last_output", None)
     check["of_tokens"] = D
     records["greedy_check"] = check
+    records["limits"] = limits_of(args, engine, threads, records)
     return records
+
+
+def limits_of(args, engine: LLMEngine, threads: int, records: dict) -> dict:
+    """The machine's rates on `threads` threads, and each figure beside its floor (limits.py)."""
+    log(f"threads={threads}: limit probe (matmul throughput at the prefill's shapes, memory read bandwidth)")
+    work = ModelWork.of(engine.model_config, engine.dtype)
+    rates = probe(engine.model_config, engine.dtype, threads, args.prompt_len)
+    P, D, C = args.prompt_len, args.decode_tokens, args.concurrency
+    context = P + D // 2                                # the mean context over the decode
+    figures = {
+        "prefill_ms": (records["prefill"]["ours"]["median"], rates.prefill_floor_s(work, P) * 1e3),
+        "tpot_ms": (records["tpot"]["ours"]["median"], rates.decode_step_floor_s(work, 1, context) * 1e3),
+        # Throughput as the time of one step of all C sequences, so that every ratio reads "x floor".
+        "concurrent_step_ms": (C * 1e3 / records["concurrent"]["ours"]["median"],
+                               rates.decode_step_floor_s(work, C, context) * 1e3),
+    }
+    if "cached_prefill" in records:
+        rec = records["cached_prefill"]
+        figures["cached_prefill_ms"] = (rec["ours"]["median"],
+                                        rates.prefill_floor_s(work, rec["new_tokens"], rec["prefix_tokens"]) * 1e3)
+        figures["new_tokens_alone_ms"] = (rec["alone_median_ms"], rates.prefill_floor_s(work, rec["new_tokens"]) * 1e3)
+    matmul, attention = work.prefill_flops(P)
+    return {"rates": as_dict(rates),
+            "figures": {k: {"measured": round(m, 3), "floor": round(f, 4), "x_floor": round(m / f, 3)}
+                        for k, (m, f) in figures.items()},
+            # The prefill's FLOPs over its measured time, as a share of the measured matmul rate.
+            "prefill_share_of_matmul_rate": round((matmul + attention) / (records["prefill"]["ours"]["median"] / 1e3)
+                                                  / (rates.matmul_gflops * 1e9), 3)}
+
+
+def make_suffixes(tokenizer, length: int, count: int = 64) -> list[list[int]]:
+    """Distinct token runs of `length` (from text other than make_prompts' prompts), one per
+    measurement, so no suffix is ever in the prefix cache."""
+    text = "\n".join(Path(m.__file__).read_text() for m in (functools, inspect, platform, os.path))
+    ids = tokenizer.encode(text)
+    while len(ids) < count * length:
+        ids = ids + ids[1:]
+    return [ids[i * length:(i + 1) * length] for i in range(count)]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -348,6 +431,10 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
                   f"{'-' if hf is None else f'{hf:.1f}':>9} {'-' if sp is None else f'{sp:.2f}x':>8} "
                   f"{'-' if ref is None else f'{ref:.0f}':>9}  {min(loads):5.2f}-{max(loads):<5.2f} "
                   f"{'-' if wait is None else f'{wait:.2f}':>6}{'  (busy)' if busy else ''}")
+        if "cached_prefill" in rec:
+            c = rec["cached_prefill"]
+            print(f"{t:>3}  {c['new_tokens']} new over {c['prefix_tokens']} cached (ms)  {c['ours']['median']:>9.1f}"
+                  f"   alone {c['alone_median_ms']:.1f} ms: x{c['x_alone']:.2f} (median pairwise)")
         gc_ = rec["greedy_check"]
         print(f"     greedy check, leading tokens equal of {gc_['of_tokens']}: ours vs HF "
               f"{gc_.get('ours_vs_hf_matching_prefix', 'n/a')}, ours batched vs alone "
@@ -355,6 +442,20 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
     print("  ours/HF: median of per-round speedups (>1: ours faster). wait: the most any run's threads spent "
           "waiting for a core (share of run time);\n  (busy): load average above the core count or wait above "
           f"{BUSY_WAIT_SHARE}: other work shared the cores, treat the row as noise.\n")
+    print("the machine's limits (limits.py): measured rates, and each figure beside its floor")
+    head = f"{'thr':>3}  {'figure':<24} {'measured':>9} {'floor':>9} {'x floor':>8}"
+    print(head + "\n" + "-" * len(head))
+    for t, rec in results.items():
+        lim = rec["limits"]
+        r = lim["rates"]
+        print(f"{t:>3}  rates: {r['dtype']} matmul {r['matmul_gflops']:.1f} GFLOP/s at the prefill's shapes, "
+              f"memory read {r['read_gbps']:.1f} GB/s; the prefill ran at {lim['prefill_share_of_matmul_rate']:.2f}x "
+              f"the matmul rate")
+        for name, f in lim["figures"].items():
+            print(f"{t:>3}  {name:<24} {f['measured']:>9.1f} {f['floor']:>9.1f} {f['x_floor']:>7.2f}x")
+    print("  floors: prefill = (matmul + attention FLOPs) / matmul rate; a decode step = the larger of (weights + "
+          "every sequence's K/V) / read bandwidth\n  and its FLOPs / matmul rate; concurrent_step_ms = the time "
+          "one step of all sequences took.\n")
     head = f"{'thr':>3}  {'goal':<58} {'value':>8} {'target':>8}  met"
     print(head + "\n" + "-" * len(head))
     for g in goals:
@@ -372,13 +473,17 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m kvhandoff.bench.engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="alias (smollm2, tiny) or path")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: the engine's own choice for this CPU (what a server runs)")
     p.add_argument("--device", default="cpu", help="cpu (the measured setting) or cuda")
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--cached-prefix", type=int, default=1792,
+                   help="prefill over a cached prefix of this many tokens (0: skip the measurement)")
+    p.add_argument("--cached-new", type=int, default=328, help="new tokens after the cached prefix")
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--no-hf", action="store_true", help="measure our engine only")
     p.add_argument("--dtypes-compare", action="store_true",
@@ -394,11 +499,15 @@ def make_engine(args, dtype: str) -> LLMEngine:
     C, P, D = args.concurrency, args.prompt_len, args.decode_tokens
     block_size = EngineConfig.block_size
     blocks_per_seq = -(-(P + D) // block_size)
+    cached_len = args.cached_prefix + args.cached_new
+    # Room for the cached measurement too: its prefix stays cached while the new tokens are computed.
+    cached_blocks = 2 * -(-cached_len // block_size) if args.cached_prefix else 0
     return LLMEngine(EngineConfig(
         model=args.model, dtype=dtype, device=args.device, threads=args.threads[0],
         enable_prefix_caching=False,                # repeats reuse the prompt: a cache hit would skip prefill
-        max_num_batched_tokens=C * P,               # every prefill one-shot, so the decode phase is pure decode
-        max_num_seqs=max(C, 1), num_blocks=C * blocks_per_seq + 8))
+        # Every prefill one-shot, so the decode phase is pure decode.
+        max_num_batched_tokens=max(C * P, cached_len),
+        max_num_seqs=max(C, 1), num_blocks=C * blocks_per_seq + cached_blocks + 8))
 
 
 def main(argv=None) -> int:
@@ -412,7 +521,7 @@ def main(argv=None) -> int:
         transformers_version = transformers.__version__
         log(f"loading HF transformers {transformers_version} from {engine.loaded.path}")
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            engine.loaded.path, dtype=getattr(torch, args.dtype)).to(engine.device).eval()
+            engine.loaded.path, dtype=engine.dtype).to(engine.device).eval()
         attn = getattr(hf.config, "_attn_implementation", None)
         hf_mode = (f"manual greedy loop over model.forward with DynamicCache (= generate's forwards), "
                    f"logits_to_keep=1, inference_mode, attn_implementation={attn}; "
@@ -420,7 +529,7 @@ def main(argv=None) -> int:
     prompts = make_prompts(engine.tokenizer, args.concurrency, args.prompt_len)
 
     meta = {
-        "model": args.model, "model_path": str(engine.loaded.path), "dtype": args.dtype,
+        "model": args.model, "model_path": str(engine.loaded.path), "dtype": str(engine.dtype).removeprefix("torch."),
         "device": str(engine.device), "threads": args.threads, "repeats": args.repeats,
         "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens, "concurrency": args.concurrency,
         "block_size": engine.block_size, "prefix_caching": False, "torch_version": torch.__version__,
@@ -440,7 +549,8 @@ def main(argv=None) -> int:
     dtypes = None
     if args.dtypes_compare:
         log("dtypes-compare: loading our engine in the other dtype(s)")
-        engines = {d: engine if d == args.dtype else make_engine(args, d) for d in ("float32", "bfloat16")}
+        engines = {d: engine if d == str(engine.dtype).removeprefix("torch.") else make_engine(args, d)
+                   for d in ("float32", "bfloat16")}
         dtypes = bench_dtypes(args, engines, prompts[0])
 
     meta["duration_s"] = round(time.time() - started, 1)

@@ -25,7 +25,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         cfg = self.cfg
         # Block-major: a block's K and V for all layers are one contiguous range (one transfer descriptor).
-        shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
         if kv_memory is None:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         else:   # caller-provided bytes, e.g. a shared-memory region registered with a transfer agent
@@ -67,12 +67,12 @@ class ModelRunner:
     def _decode_metadata(self, meta: BatchMetadata, decodes: list[ScheduledChunk]) -> None:
         context_lens = [c.request.num_computed_tokens + 1 for c in decodes]
         max_blocks = -(-max(context_lens) // self.block_size)
-        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, chunk in enumerate(decodes):
+        block_ids = []       # padded with block 0: its slots are masked out
+        for chunk in decodes:
             table = chunk.request.block_table[:max_blocks]
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+            block_ids += table + [0] * (max_blocks - len(table))
         lens = torch.tensor(context_lens, dtype=torch.long)
         mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
-        meta.decode_block_tables = tables.to(self.device)
+        meta.decode_block_ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         meta.decode_context_lens = lens.to(self.device)
-        meta.decode_mask = mask[:, None, None, :].to(self.device)
+        meta.decode_mask = mask.view(len(decodes), max_blocks, 1, 1, self.block_size).to(self.device)

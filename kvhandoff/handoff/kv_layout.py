@@ -1,7 +1,7 @@
 """Where a KV block's bytes sit in a worker's registered region, and the checksums that prove a
 copy of them arrived whole.
 
-The engine's pool is block-major ([blocks, layers, K/V, block_size, kv_heads, head_dim]), so a block
+The engine's pool is block-major ([blocks, layers, K/V, kv_heads, block_size, head_dim]), so a block
 is one contiguous range and one layer of one block is a contiguous sub-range. Descriptor lists are
 built per block (or per block and layer); the transfer layer coalesces runs of adjacent blocks.
 """

@@ -17,7 +17,10 @@ import msgspec
 
 from kvhandoff.handoff.modes import Mode
 
-PROTOCOL_VERSION = 2        # 1: untyped dicts, before this module (no version field)
+# 1: untyped dicts, before this module (no version field). 3: the KV block's inner layout became
+# [layers, K/V, kv_heads, block_size, head_dim] (issue 12): same bytes per block, other meaning, so
+# a peer of version 2 must be refused rather than decode from K/V it misreads.
+PROTOCOL_VERSION = 3
 PROTOCOL = f"kvhandoff-handoff/{PROTOCOL_VERSION}"     # the transfer agents' handshake compares it
 Role = Literal["prefill", "decode"]
 ROLES = ("prefill", "decode")
