@@ -48,6 +48,10 @@ def test_timings_positive_for_ours_and_hf(report):
             assert len(rec[kind][side]["loadavg"]) == 1 and len(rec[kind][side]["loadavg"][0]) == 3
         assert rec[kind]["speedup_vs_hf"] > 0
     assert rec["concurrent"]["ours_x_single_stream"] > 0
+    # The engine's own time per decode step beside the forward pass: a part of the step's time.
+    step_ms = {"tpot": rec["tpot"]["ours"]["median"], "concurrent": 4 * 1e3 / rec["concurrent"]["ours"]["median"]}
+    for kind, ms in step_ms.items():
+        assert 0 < rec[kind]["ours"]["step_overhead_ms"] < ms, (kind, rec[kind]["ours"]["step_overhead_ms"], ms)
 
 
 def test_greedy_outputs_agree_with_hf_in_fp32(report):

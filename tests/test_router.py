@@ -14,6 +14,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -725,3 +726,15 @@ def test_disaggregated_equals_colocated(mode, colocated_outputs, tmp_path):
     finally:
         assert up.stop() == 0, up.text()[-3000:]
     assert all(gone(pid) for pid in pids.values()), pids
+
+
+def test_ports_handed_to_children_are_outside_the_ephemeral_range():
+    """`kvhandoff up` picks the ports its children bind later; one from the kernel's ephemeral range
+    can be taken meanwhile by any outgoing connection (the demo's router once failed to start on CI
+    with "address already in use"). The ports it picks are free and below that range."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert all(1024 <= port < low for port in ports), [p for p in ports if not 1024 <= p < low]
+    assert len(set(ports)) > 150            # drawn at random, not one port over and over
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", ports[0]))     # and it was free

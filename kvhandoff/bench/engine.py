@@ -126,16 +126,18 @@ def ours_cached_prefill(engine: LLMEngine, prefix: list[int], new_tokens: list[i
     return cached_s, alone_s
 
 
-def ours_decode(engine: LLMEngine, prompts: list[list[int]], n: int) -> tuple[float, float, list[list[int]]]:
+def ours_decode(engine: LLMEngine, prompts: list[list[int]], n: int,
+                overhead_ms: list[float] | None = None) -> tuple[float, float, list[list[int]]]:
     """All prompts admitted at once; returns (seconds to every first token, seconds of the decode
-    phase after it, outputs). Step timing, so the decode phase holds only decode steps."""
+    phase after it, outputs). Step timing, so the decode phase holds only decode steps. Appends to
+    `overhead_ms`, if given, the decode phase's mean time per step outside the forward pass."""
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     rids = [f"bench-{next(_ids)}" for _ in prompts]
     outputs: dict[str, list[int]] = {r: [] for r in rids}
     t0 = time.perf_counter()
     for rid, prompt in zip(rids, prompts):
         engine.add_request(rid, prompt, params)
-    pending, waiting_first, t_first = set(rids), set(rids), None
+    pending, waiting_first, t_first, steps = set(rids), set(rids), None, 0
     while pending:
         outs = engine.step()
         if not outs and not engine.has_work():
@@ -149,9 +151,13 @@ def ours_decode(engine: LLMEngine, prompts: list[list[int]], n: int) -> tuple[fl
                 pending.discard(out.request_id)
         if t_first is None and not waiting_first:
             sync(engine.device)
-            t_first = time.perf_counter()
+            t_first, forward_first, steps = time.perf_counter(), engine.forward_s, 0
+        steps += t_first is not None
     sync(engine.device)
     t_end = time.perf_counter()
+    if overhead_ms is not None and steps > 1:
+        # The step that gave the last first token is not part of the decode phase.
+        overhead_ms.append(((t_end - t_first) - (engine.forward_s - forward_first)) * 1e3 / (steps - 1))
     return t_first - t0, t_end - t_first, [outputs[r] for r in rids]
 
 
@@ -217,6 +223,33 @@ def summarize(record: dict, higher_is_better: bool) -> None:
         record["speedup_vs_hf"] = median(record["speedup_vs_hf_runs"])
 
 
+class CachedPrefill:
+    """Prefill over a cached prefix against the same number of new tokens alone (ours only: the
+    ratio is the point), each round with new tokens never seen before."""
+
+    def __init__(self, args, engine: LLMEngine):
+        self.engine = engine
+        self.prefix = make_prompts(engine.tokenizer, 1, args.cached_prefix)[0]
+        self.suffixes = iter(make_suffixes(engine.tokenizer, args.cached_new))
+        self.record = new_record("ms", ["ours"]) | {"alone_ms": [], "prefix_tokens": args.cached_prefix,
+                                                     "new_tokens": args.cached_new}
+
+    def measure(self) -> tuple[float, None]:
+        cached_s, alone_s = ours_cached_prefill(self.engine, self.prefix, next(self.suffixes))
+        self.record["alone_ms"].append(alone_s * 1e3)
+        return cached_s * 1e3, None
+
+    def warm_up(self) -> None:
+        self.measure()
+        self.record["alone_ms"].clear()
+
+    def summary(self) -> dict:
+        rec = self.record
+        rec["ours"]["median"], rec["alone_median_ms"] = median(rec["ours"]["runs"]), median(rec["alone_ms"])
+        rec["x_alone"] = median([c / a for c, a in zip(rec["ours"]["runs"], rec["alone_ms"])])
+        return rec
+
+
 def new_record(unit: str, sides: list[str]) -> dict:
     fields = ("runs", "loadavg", "cpu_share", "runqueue_wait_share")
     return {"unit": unit, **{side: {f: [] for f in fields} for side in sides}}
@@ -228,14 +261,18 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     single, batch = [prompts[0]], prompts[:C]
 
     # Each measurement returns (value in its unit, greedy output of the first sequence).
-    def decode_measures(decode) -> dict:
-        """TPOT of one stream and aggregate tokens/s of the batch, for `decode(prompts, n)` of either side."""
+    def decode_measures(decode, overhead: dict | None = None) -> dict:
+        """TPOT of one stream and aggregate tokens/s of the batch, for `decode(prompts, n)` of either
+        side (ours also records its per-step overhead in `overhead[kind]`)."""
+        def extra(kind: str) -> dict:
+            return {} if overhead is None else {"overhead_ms": overhead[kind]}
+
         def tpot_ms():
-            _, decode_s, out = decode(single, D)
+            _, decode_s, out = decode(single, D, **extra("tpot"))
             return decode_s * 1e3 / (D - 1), out[0]
 
         def concurrent_tps():
-            _, decode_s, out = decode(batch, D)
+            _, decode_s, out = decode(batch, D, **extra("concurrent"))
             return C * (D - 1) / decode_s, out[0]
         return {"tpot": tpot_ms, "concurrent": concurrent_tps}
 
@@ -247,20 +284,12 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
         prefill_s, _, out = hf_decode(hf, single, 1)
         return prefill_s * 1e3, out[0]
 
-    ours_fns = {"prefill": ours_prefill_ms, **decode_measures(functools.partial(ours_decode, engine))}
+    overhead = {"tpot": [], "concurrent": []}           # ours: ms per decode step outside the forward pass
+    ours_fns = {"prefill": ours_prefill_ms, **decode_measures(functools.partial(ours_decode, engine), overhead)}
     hf_fns = {"prefill": hf_prefill_ms, **decode_measures(functools.partial(hf_decode, hf))}
     units = {"prefill": "ms", "tpot": "ms", "concurrent": "tok/s"}
     records = {k: new_record(units[k], sides) for k in units}
-    # Prefill over a cached prefix against the same new tokens alone (ours only: the ratio is the point).
-    cached = new_record("ms", ["ours"]) | {"alone_ms": [], "prefix_tokens": args.cached_prefix,
-                                            "new_tokens": args.cached_new}
-    suffixes = iter(make_suffixes(engine.tokenizer, args.cached_new))
-
-    def cached_prefill_ms():
-        cached_s, alone_s = ours_cached_prefill(engine, cached_prefix, next(suffixes))
-        cached["alone_ms"].append(alone_s * 1e3)
-        return cached_s * 1e3, None
-    cached_prefix = make_prompts(engine.tokenizer, 1, args.cached_prefix)[0]
+    cached = CachedPrefill(args, engine) if args.cached_prefix else None
 
     torch.set_num_threads(threads)
     log(f"threads={threads}: warm-up (every measurement once per side; short decodes)")
@@ -271,22 +300,21 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     if hf is not None:
         hf_decode(hf, single, 1); hf_decode(hf, single, warm_n); hf_decode(hf, warm_batch, warm_n)
 
-    if args.cached_prefix:
-        cached_prefill_ms()
-        cached["alone_ms"].clear()
+    if cached:
+        cached.warm_up()
     for r in range(args.repeats):
         log(f"threads={threads}: round {r + 1}/{args.repeats}")
         for kind in units:
             fns = {"ours": ours_fns[kind]} | ({"hf": hf_fns[kind]} if hf is not None else {})
             run_pair(kind, threads, fns, records[kind], r)
-        if args.cached_prefix:
-            run_pair("cached", threads, {"ours": cached_prefill_ms}, cached, r)
+        if cached:
+            run_pair("cached", threads, {"ours": cached.measure}, cached.record, r)
     for kind, rec in records.items():
         summarize(rec, higher_is_better=kind == "concurrent")
-    if args.cached_prefix:
-        cached["ours"]["median"], cached["alone_median_ms"] = median(cached["ours"]["runs"]), median(cached["alone_ms"])
-        cached["x_alone"] = median([c / a for c, a in zip(cached["ours"]["runs"], cached["alone_ms"])])
-        records["cached_prefill"] = cached
+    for kind, runs in overhead.items():
+        records[kind]["ours"]["step_overhead_ms"] = median(runs[-args.repeats:])     # the warm-up's not
+    if cached:
+        records["cached_prefill"] = cached.summary()
 
     # Correctness beside speed: greedy tokens of ours vs HF (single stream, same prompt), and ours
     # batched vs ours alone (batch invariance). bf16 kernels differ, so a late divergence can be a
@@ -431,6 +459,9 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
                   f"{'-' if hf is None else f'{hf:.1f}':>9} {'-' if sp is None else f'{sp:.2f}x':>8} "
                   f"{'-' if ref is None else f'{ref:.0f}':>9}  {min(loads):5.2f}-{max(loads):<5.2f} "
                   f"{'-' if wait is None else f'{wait:.2f}':>6}{'  (busy)' if busy else ''}")
+        print(f"     engine overhead per decode step (outside the forward pass): "
+              f"{rec['tpot']['ours']['step_overhead_ms']:.2f} ms at 1 sequence, "
+              f"{rec['concurrent']['ours']['step_overhead_ms']:.2f} ms at {C}")
         if "cached_prefill" in rec:
             c = rec["cached_prefill"]
             print(f"{t:>3}  {c['new_tokens']} new over {c['prefix_tokens']} cached (ms)  {c['ours']['median']:>9.1f}"

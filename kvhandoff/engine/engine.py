@@ -75,6 +75,9 @@ class LLMEngine:
         # The last step could run nothing (waiting requests, no room for any) and changed nothing:
         # only something from outside (blocks freed, a request added or aborted) can change that.
         self.stalled = False
+        # Seconds spent in the model's forward pass, of all steps so far: a step's time beyond it
+        # is the engine's overhead (scheduling, batch building, sampling, detokenization).
+        self.forward_s = 0.0
         # Told when retained KV is evicted because a request needed the blocks.
         self.on_evict: Callable[[str], None] | None = None
         log.info("engine ready: model=%s device=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV)",
@@ -239,7 +242,9 @@ class LLMEngine:
             if chunk.request.timings.first_scheduled is None:
                 chunk.request.timings.first_scheduled = now
         try:
+            forward_started = time.perf_counter()
             logits = self.runner.run(chunks, self.connector.on_layer)
+            self.forward_s += time.perf_counter() - forward_started
         except Exception as exc:       # a failed forward must not take the server down or leak blocks
             log.exception("forward pass failed")
             return done + [self._finish(c.request, FinishReason.ERROR, f"forward pass failed: {exc}") for c in chunks]

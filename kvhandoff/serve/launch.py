@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import secrets
 import signal
 import socket
@@ -84,9 +85,28 @@ class ChildDied(Exception):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port to pass to a child that binds it later. Drawn below the kernel's ephemeral range, not
+    from it: between our check and the child's bind, any outgoing connection (our own health polls)
+    or port-0 listener (a transfer agent) can be handed an ephemeral port, and a router of `kvhandoff
+    demo` once failed to start on CI with "address already in use" that way."""
+    low = _ephemeral_low()
+    candidates = [random.randrange(max(1024, low - 16384), low) for _ in range(64)] if low > 2048 else [0]
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue                # taken: draw another
+            return s.getsockname()[1]
+    raise OSError(f"no free port found below {low} on {host}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768                    # Linux's default
 
 
 def core_shares(cores: list[int], n: int) -> list[list[int]] | None:
