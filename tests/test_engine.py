@@ -87,6 +87,45 @@ def test_prefix_cache_hits_equal_misses(prompts, reference):
     assert engine.num_free_blocks == engine.num_blocks
 
 
+def greedy_reference(engine: LLMEngine, prompt: list[int], n: int = GREEDY.max_tokens) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(prompt_logits(engine.loaded.model, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+def random_prompts(engine: LLMEngine, lengths: list[int], seed: int) -> list[list[int]]:
+    special = set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids)
+    vocab = [t for t in range(engine.model_config.vocab_size) if t not in special]
+    g = torch.Generator().manual_seed(seed)
+    return [[vocab[i] for i in torch.randint(0, len(vocab), (n,), generator=g).tolist()] for n in lengths]
+
+
+def test_a_batch_of_16_different_lengths_equals_the_reference(engine):
+    """Decode reads each sequence's blocks in place (issue 12): 16 sequences of 16 lengths, some a
+    block or less, some many blocks with a partial last one, decoded in one batch, give every token
+    of the dense, unpaged reference."""
+    lengths = [1, 2, 31, 32, 33, 64, 65, 90, 128, 150, 200, 255, 256, 257, 300, 333]
+    batch = random_prompts(engine, lengths, seed=16)
+    fresh = make_engine(enable_prefix_caching=False, max_num_seqs=16, max_num_batched_tokens=4096)
+    assert fresh.generate(batch, GREEDY) == [greedy_reference(engine, p) for p in batch]
+    assert fresh.num_free_blocks == fresh.num_blocks
+
+
+@pytest.mark.parametrize("prefix_blocks,new_tokens", [(1, 1), (1, 40), (4, 5), (4, 97), (9, 32), (9, 200)])
+def test_prefill_over_a_cached_prefix_equals_the_reference(engine, prefix_blocks, new_tokens):
+    """A prompt whose first blocks are in the prefix cache computes only its new tokens, attending to
+    the cached ones: the same greedy tokens as the dense reference, at several prefix/new splits."""
+    cached = make_engine()
+    prefix_len = prefix_blocks * cached.block_size
+    prompt = random_prompts(engine, [prefix_len + new_tokens], seed=prefix_blocks * 1000 + new_tokens)[0]
+    cached.generate([prompt[:prefix_len]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    hits = cached.pool.hits
+    assert cached.generate([prompt], GREEDY)[0] == greedy_reference(engine, prompt)
+    assert cached.pool.hits - hits == prefix_blocks       # the whole prefix came from the cache
+    assert cached.num_free_blocks == cached.num_blocks
+
+
 def test_preemption_recomputes_identically(prompts, reference):
     params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     some = prompts[1:5]

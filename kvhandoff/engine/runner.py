@@ -74,5 +74,4 @@ class ModelRunner:
         lens = torch.tensor(context_lens, dtype=torch.long)
         mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
         meta.decode_block_ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        meta.decode_context_lens = lens.to(self.device)
         meta.decode_mask = mask.unsqueeze(1).to(self.device)

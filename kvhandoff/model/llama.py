@@ -3,11 +3,10 @@
 The KV pool is one tensor, block-major: [num_blocks, num_layers, 2 (K, V), kv_heads, block_size,
 head_dim]. One block therefore holds every layer's K and V for its tokens in one contiguous range,
 which is what the transfer layer moves; inside it, one head's K (or V) for the block's tokens is a
-contiguous [block_size, head_dim] range, so decode attention gathers a sequence's K of one head
-into a contiguous matrix with one index_select and no transpose (below). A
-forward pass takes a flat batch of tokens (prefill chunks first, then one token per decoding
-sequence), writes their K/V into the pool at (slot_block, slot_offset), and attends over each
-sequence's blocks.
+contiguous [block_size, head_dim] range, so decode attention gathers a sequence's K of one head into
+a contiguous matrix with one index_select and no transpose (Attention._decode). A forward pass takes
+a flat batch of tokens (prefill chunks first, then one token per decoding sequence), writes their
+K/V into the pool at (slot_block, slot_offset), and attends over each sequence's blocks.
 """
 from __future__ import annotations
 
@@ -37,7 +36,6 @@ class BatchMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     num_prefill_tokens: int = 0
     decode_block_ids: torch.Tensor | None = None      # [B * max_blocks]: each sequence's blocks, padded
-    decode_context_lens: torch.Tensor | None = None   # [B]
     decode_mask: torch.Tensor | None = None           # [B, 1, max_blocks * block_size] bool, True = attend
 
 
