@@ -285,6 +285,19 @@ class Recorder(KVConnector):
         return bool(self.events)
 
 
+class Collected:
+    """An EngineLoop output callback that keeps what it gets: tokens, outputs, `finished` once done."""
+
+    def __init__(self):
+        self.tokens, self.outputs, self.finished = [], [], threading.Event()
+
+    def __call__(self, out) -> None:
+        self.tokens.extend(out.new_token_ids)
+        self.outputs.append(out)
+        if out.finished:
+            self.finished.set()
+
+
 def connected(**overrides) -> LLMEngine:
     engine = make_engine(**overrides)
     engine.connect(Recorder())
@@ -429,15 +442,8 @@ def test_kv_failure_of_a_queued_reservation(prompts, reference, recompute):
     engine = connected(num_blocks=16)
     reserve(engine, "hog", prompts[5], GREEDY, len(prompts[5]))         # 7 of 16 blocks
     loop = EngineLoop(engine)
-    finished = threading.Event()
-    tokens, outputs = [], []
-
-    def on_output(out):
-        tokens.extend(out.new_token_ids)
-        outputs.append(out)
-        if out.finished:
-            finished.set()
-
+    on_output = Collected()
+    finished, tokens, outputs = on_output.finished, on_output.tokens, on_output.outputs
     loop.submit("queued", prompts[7], GREEDY, on_output, remote_tokens=len(prompts[7]))
     loop.start()
     try:
@@ -493,13 +499,8 @@ def test_a_loop_that_can_run_nothing_sleeps(prompts, reference):
     engine = connected(num_blocks=16)
     reserve(engine, "hog", prompts[5], GREEDY, len(prompts[5]))         # 7 of 16 blocks
     loop = EngineLoop(engine)
-    finished, tokens = threading.Event(), []
-
-    def on_output(out):
-        tokens.extend(out.new_token_ids)
-        if out.finished:
-            finished.set()
-
+    on_output = Collected()
+    finished, tokens = on_output.finished, on_output.tokens
     loop.start()
     try:
         loop.submit("big", prompts[7], GREEDY, on_output)                             # needs 10
@@ -519,13 +520,8 @@ def test_a_connector_event_wakes_a_sleeping_loop(prompts, reference):
     the loop sleeps (nothing runnable) must wake it at once, not wait for an unrelated message."""
     engine = connected(num_blocks=64)
     loop = EngineLoop(engine)
-    done, tokens = threading.Event(), []
-
-    def on_output(out):
-        tokens.extend(out.new_token_ids)
-        if out.finished:
-            done.set()
-
+    on_output = Collected()
+    done, tokens = on_output.finished, on_output.tokens
     loop.start()
     try:
         loop.submit("lost", prompts[3], GREEDY, on_output, remote_tokens=len(prompts[3]))

@@ -146,7 +146,7 @@ class Attention(nn.Module):
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
             # Part of the prompt is already in the pool (earlier chunk or prefix-cache hit).
-            keys, values = (_sequence(cache, seq.block_table, seq.context_len) for cache in (k_cache, v_cache))
+            keys, values = (_gather(cache, seq.block_table, 1)[:, 0, :seq.context_len] for cache in (k_cache, v_cache))
             query_pos = torch.arange(seq.context_len - n, seq.context_len).unsqueeze(1)
             mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
             causal = False
@@ -156,20 +156,14 @@ class Attention(nn.Module):
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, meta: BatchMetadata, k_cache, v_cache) -> torch.Tensor:
-        """One query per sequence. Per KV head, index_select copies each sequence's blocks of that
-        head into one contiguous [context, head_dim] matrix per sequence (a block's rows for one head
-        are contiguous in the pool), straight into the batch that one bmm multiplies: one copy of the
-        K/V per step and per head, no transpose, and matmuls of [group, D] x [D, context] rather than
-        thousands of per-block ones (measured: per-block bmm and advanced indexing cost ~3x more at 16
-        sequences). SDPA's flash kernel is ~10x slower at query length 1 on CPU."""
+        """One query per sequence. _gather puts each sequence's K and V of each head into the batch
+        that one bmm multiplies: one copy of the K/V per step, no transpose, and matmuls of
+        [group, D] x [D, context] rather than thousands of per-block ones (measured: per-block bmm
+        and advanced indexing cost ~3x more at 16 sequences). SDPA's flash kernel is ~10x slower at
+        query length 1 on CPU."""
         B, group, D, kv_heads = q.shape[0], self.num_heads // self.num_kv_heads, self.head_dim, self.num_kv_heads
-        ids = meta.decode_block_ids
-        S = ids.numel() // B * k_cache.shape[2]                                      # padded context per sequence
-        keys = torch.empty(kv_heads, B, S, D, dtype=k_cache.dtype, device=k_cache.device)
-        values = torch.empty_like(keys)
-        for head in range(kv_heads):
-            torch.index_select(k_cache[:, head].flatten(1), 0, ids, out=keys[head].view(-1, k_cache.shape[2] * D))
-            torch.index_select(v_cache[:, head].flatten(1), 0, ids, out=values[head].view(-1, k_cache.shape[2] * D))
+        keys, values = (_gather(cache, meta.decode_block_ids, B) for cache in (k_cache, v_cache))
+        S = keys.shape[2]                                                            # padded context per sequence
         q = q.view(B, kv_heads, group, D).transpose(0, 1).reshape(kv_heads * B, group, D)
         scores = torch.bmm(q, keys.view(kv_heads * B, S, D).transpose(1, 2)).float() * self.scale
         scores = scores.view(kv_heads, B, group, S).masked_fill_(~meta.decode_mask, float("-inf"))
@@ -178,10 +172,16 @@ class Attention(nn.Module):
         return out.transpose(0, 1).reshape(B, self.num_heads, D)
 
 
-def _sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's K (or V) of one layer as [kv_heads, length, head_dim], copied out of its blocks."""
-    blocks = cache.index_select(0, block_table)                                      # [blocks, kv_heads, bs, D]
-    return blocks.transpose(0, 1).flatten(1, 2)[:, :length]
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """One layer's K (or V) of `num_seqs` sequences, each `block_ids` run of equal length, as
+    [kv_heads, num_seqs, blocks * block_size, head_dim]: per head one index_select, straight into
+    place (a block's rows of one head are contiguous in the pool), no transpose."""
+    _, kv_heads, block_size, head_dim = cache.shape
+    out = torch.empty(kv_heads, num_seqs, block_ids.numel() // num_seqs * block_size, head_dim,
+                      dtype=cache.dtype, device=cache.device)
+    for head in range(kv_heads):
+        torch.index_select(cache[:, head].flatten(1), 0, block_ids, out=out[head].view(-1, block_size * head_dim))
+    return out
 
 
 class MLP(nn.Module):
