@@ -103,6 +103,7 @@ class EngineConfig:
     max_model_len: int = 0                    # 0: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     threads: int = 0                          # torch intra-op threads; 0: leave as is
+    cpu_kernels: bool = True                  # fp32 on CPU: kvhandoff.model.kernels when they build
     seed: int = 0
 
     def __post_init__(self):

@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("transformers")
 
 ARGS = ["--model", "tiny", "--dtype", "float32", "--repeats", "1", "--prompt-len", "64",
-        "--decode-tokens", "8", "--concurrency", "4", "--threads", "1", "--cached-prefix", "64", "--cached-new", "16"]
+        "--decode-tokens", "8", "--concurrency", "4", "--threads", "1", "--cached-prefix", "64", "--cached-new", "16",
+        "--mixed-chunk", "24"]
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +36,23 @@ def test_records_what_was_measured(report):
     assert meta["prefix_caching"] is False and meta["block_size"] > 0
     for key in ("torch_version", "transformers_version", "git_commit", "hf_mode", "cpu_affinity"):
         assert meta[key], key
+    assert meta["kernels"].startswith(("on", "off"))
 
 
 def test_timings_positive_for_ours_and_hf(report):
     data, _ = report
     rec = data["results"]["1"]
+    # With the kernels on, the same engine on torch's paths is the third side (the A/B for them).
+    sides = ("ours", "torch", "hf") if data["meta"]["torch_paths_side"] else ("ours", "hf")
+    assert data["meta"]["torch_paths_side"] == data["meta"]["kernels"].startswith("on")
     for kind in ("prefill", "tpot", "concurrent"):
-        for side in ("ours", "hf"):
+        for side in sides:
             runs = rec[kind][side]["runs"]
             assert len(runs) == 1 and all(v > 0 for v in runs), (kind, side)
             assert rec[kind][side]["median"] > 0
             assert len(rec[kind][side]["loadavg"]) == 1 and len(rec[kind][side]["loadavg"][0]) == 3
         assert rec[kind]["speedup_vs_hf"] > 0
+        assert rec[kind].get("speedup_vs_torch", 1) > 0
     assert rec["concurrent"]["ours_x_single_stream"] > 0
     # The engine's own time per decode step beside the forward pass: a part of the step's time.
     step_ms = {"tpot": rec["tpot"]["ours"]["median"], "concurrent": 4 * 1e3 / rec["concurrent"]["ours"]["median"]}
@@ -61,6 +67,17 @@ def test_greedy_outputs_agree_with_hf_in_fp32(report):
     assert check["ours_vs_hf_first_token_equal"]
     assert check["ours_vs_hf_matching_prefix"] == check["of_tokens"] == 8
     assert check["ours_batched_vs_alone_matching_prefix"] == 8
+    if report[0]["meta"]["torch_paths_side"]:       # the kernels give torch's tokens
+        assert check["ours_vs_torch_matching_prefix"] == check["ours_vs_torch_batched_matching_prefix"] == 8
+
+
+def test_decode_steps_with_a_growing_batch_and_a_chunk(report):
+    data, stdout = report
+    steps = data["results"]["1"]["decode_steps"]
+    assert steps["chunk_tokens"] == 24
+    for key in ("one_median_ms", "three_median_ms", "three_plus_chunk_median_ms", "three_x_one", "chunk_x_three"):
+        assert steps[key] > 0, key
+    assert "decode step (ms): 1 sequence" in stdout
 
 
 def test_goals_and_table(report):

@@ -1,5 +1,9 @@
 """Engine correctness on the seeded tiny model: batching, chunking, prefix caching and preemption
-never change greedy tokens; sampling options do what they say; every block returns to the pool."""
+never change greedy tokens; sampling options do what they say; every block returns to the pool.
+
+The engines under test run as users run them (fp32 on CPU: the compiled kernels of
+kvhandoff.model.kernels where they build); the reference is the dense, unpaged recompute through
+torch's own paths (an engine with cpu_kernels=False), so the kernels are checked against torch."""
 from __future__ import annotations
 
 import threading
@@ -30,6 +34,12 @@ def engine() -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
+def torch_model():
+    """The model on torch's paths only: what the references are computed with."""
+    return make_engine(cpu_kernels=False).loaded.model
+
+
+@pytest.fixture(scope="module")
 def prompts(engine) -> list[list[int]]:
     special = set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids)
     vocab = [t for t in range(engine.model_config.vocab_size) if t not in special]
@@ -38,15 +48,9 @@ def prompts(engine) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(engine, prompts) -> list[list[int]]:
+def reference(torch_model, prompts) -> list[list[int]]:
     """Greedy continuation recomputed from scratch each token (no paging across steps, no batching)."""
-    outs = []
-    for prompt in prompts:
-        tokens = list(prompt)
-        for _ in range(GREEDY.max_tokens):
-            tokens.append(int(prompt_logits(engine.loaded.model, tokens)[-1].argmax()))
-        outs.append(tokens[len(prompt):])
-    return outs
+    return [greedy_reference(torch_model, prompt) for prompt in prompts]
 
 
 def test_reference_is_not_trivial(reference):
@@ -87,10 +91,10 @@ def test_prefix_cache_hits_equal_misses(prompts, reference):
     assert engine.num_free_blocks == engine.num_blocks
 
 
-def greedy_reference(engine: LLMEngine, prompt: list[int], n: int = GREEDY.max_tokens) -> list[int]:
+def greedy_reference(model, prompt: list[int], n: int = GREEDY.max_tokens) -> list[int]:
     tokens = list(prompt)
     for _ in range(n):
-        tokens.append(int(prompt_logits(engine.loaded.model, tokens)[-1].argmax()))
+        tokens.append(int(prompt_logits(model, tokens)[-1].argmax()))
     return tokens[len(prompt):]
 
 
@@ -101,19 +105,19 @@ def random_prompts(engine: LLMEngine, lengths: list[int], seed: int) -> list[lis
     return [[vocab[i] for i in torch.randint(0, len(vocab), (n,), generator=g).tolist()] for n in lengths]
 
 
-def test_a_batch_of_16_different_lengths_equals_the_reference(engine):
+def test_a_batch_of_16_different_lengths_equals_the_reference(engine, torch_model):
     """Decode reads each sequence's blocks in place (issue 12): 16 sequences of 16 lengths, some a
     block or less, some many blocks with a partial last one, decoded in one batch, give every token
     of the dense, unpaged reference."""
     lengths = [1, 2, 31, 32, 33, 64, 65, 90, 128, 150, 200, 255, 256, 257, 300, 333]
     batch = random_prompts(engine, lengths, seed=16)
     fresh = make_engine(enable_prefix_caching=False, max_num_seqs=16, max_num_batched_tokens=4096)
-    assert fresh.generate(batch, GREEDY) == [greedy_reference(engine, p) for p in batch]
+    assert fresh.generate(batch, GREEDY) == [greedy_reference(torch_model, p) for p in batch]
     assert fresh.num_free_blocks == fresh.num_blocks
 
 
 @pytest.mark.parametrize("prefix_blocks,new_tokens", [(1, 1), (1, 40), (4, 5), (4, 97), (9, 32), (9, 200)])
-def test_prefill_over_a_cached_prefix_equals_the_reference(engine, prefix_blocks, new_tokens):
+def test_prefill_over_a_cached_prefix_equals_the_reference(engine, torch_model, prefix_blocks, new_tokens):
     """A prompt whose first blocks are in the prefix cache computes only its new tokens, attending to
     the cached ones: the same greedy tokens as the dense reference, at several prefix/new splits."""
     cached = make_engine()
@@ -121,7 +125,7 @@ def test_prefill_over_a_cached_prefix_equals_the_reference(engine, prefix_blocks
     prompt = random_prompts(engine, [prefix_len + new_tokens], seed=prefix_blocks * 1000 + new_tokens)[0]
     cached.generate([prompt[:prefix_len]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     hits = cached.pool.hits
-    assert cached.generate([prompt], GREEDY)[0] == greedy_reference(engine, prompt)
+    assert cached.generate([prompt], GREEDY)[0] == greedy_reference(torch_model, prompt)
     assert cached.pool.hits - hits == prefix_blocks       # the whole prefix came from the cache
     assert cached.num_free_blocks == cached.num_blocks
 

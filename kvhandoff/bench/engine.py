@@ -2,9 +2,11 @@
 
     python -m kvhandoff.bench.engine [--model smollm2] [--dtype auto] [--threads 1,2] [--repeats 5]
         [--prompt-len 1024] [--decode-tokens 128] [--concurrency 16] [--cached-prefix 1792]
-        [--cached-new 328] [--json FILE] [--no-hf] [--dtypes-compare]
+        [--cached-new 328] [--json FILE] [--no-hf] [--no-torch-paths] [--dtypes-compare]
 
-Measured per thread count (issue 2, "Must show (benchmark script)"), each figure for ours and for HF:
+Measured per thread count (issue 2, "Must show (benchmark script)"), each figure for three sides:
+ours (the engine as served), torch (the same engine with cpu_kernels=False: torch's paths only,
+what ran before kvhandoff.model.kernels; shown when the kernels are on) and HF:
   prefill     one prompt of --prompt-len tokens, to its first token.
               ours: LLMEngine.generate with max_tokens=1, budget >= the prompt (one-shot prefill);
               HF: one forward over the prompt (DynamicCache built, logits of the last position only).
@@ -17,6 +19,8 @@ Measured per thread count (issue 2, "Must show (benchmark script)"), each figure
 Ours only:
   cached      --cached-new new tokens prefilled after a --cached-prefix prefix the prefix cache
               holds, against the same number of new tokens alone (ratio per round, then median).
+  steps       one decode step with 1 sequence, with 3, and with the 3 sharing it with a fresh
+              prefill chunk of --mixed-chunk tokens (needs --concurrency >= 3).
   limits      the machine's rates measured on the same threads (matrix throughput of the dtype at
               the prefill's shapes, memory read bandwidth) and each figure beside its floor
               (kvhandoff.bench.limits): how much of the machine the engine leaves unused.
@@ -26,7 +30,7 @@ HF runs a manual greedy loop over model.forward with past_key_values (exactly th
 case) under torch.inference_mode, with the model's default attention implementation (sdpa).
 
 Method (../shared/MEASURING.md): warm-up of every measurement first; then --repeats rounds, each
-running ours and HF back to back, alternating which goes first (A B, B A, ...) so drift hits both;
+running the sides back to back, alternating the order (A B C, C B A, ...) so drift hits all;
 medians of each side and the median of the pairwise ratios; os.getloadavg() before every
 measurement, and how long our threads waited for a core during it (schedstat: the direct sign that
 other work shared the cores; such rows are marked busy); prefix caching off (repeats reuse the
@@ -66,6 +70,9 @@ GOAL_TPOT_X_REF = 1.3           # our time per output token <= 1.3x the referenc
 GOAL_CONCURRENT_X_SINGLE = 6.0  # N-way aggregate decode >= 6x single-stream throughput
 GOAL_X_HF = 1.0                 # >= 1.0x HF everywhere
 BUSY_WAIT_SHARE = 0.05          # a run whose threads waited for a core longer than this shared them
+# ours: the engine as served; torch: the same engine on torch's paths only (cpu_kernels=False: what
+# main ran before the kernels, the A/B for them); hf: Hugging Face transformers.
+SIDES = ("ours", "torch", "hf")
 
 _ids = itertools.count()
 
@@ -213,14 +220,14 @@ def run_pair(name: str, threads: int, fns: dict, record: dict, round_index: int)
 
 
 def summarize(record: dict, higher_is_better: bool) -> None:
-    sides = [s for s in ("ours", "hf") if s in record]
+    sides = [s for s in SIDES if s in record]
     for side in sides:
         record[side]["median"] = median(record[side]["runs"])
-    if "hf" in record:
-        # Speedup of ours over HF per round (>1: ours is better), then its median.
-        pairs = zip(record["ours"]["runs"], record["hf"]["runs"])
-        record["speedup_vs_hf_runs"] = [o / h if higher_is_better else h / o for o, h in pairs]
-        record["speedup_vs_hf"] = median(record["speedup_vs_hf_runs"])
+    for other in sides[1:]:
+        # Speedup of ours over the other side per round (>1: ours is better), then its median.
+        pairs = zip(record["ours"]["runs"], record[other]["runs"])
+        record[f"speedup_vs_{other}_runs"] = [o / h if higher_is_better else h / o for o, h in pairs]
+        record[f"speedup_vs_{other}"] = median(record[f"speedup_vs_{other}_runs"])
 
 
 class CachedPrefill:
@@ -250,14 +257,74 @@ class CachedPrefill:
         return rec
 
 
+class DecodeSteps:
+    """What one decode step costs as the batch grows from 1 to 3 sequences (the multi-turn run's
+    concurrency), and when a fresh prompt's prefill chunk of --mixed-chunk tokens shares the step
+    with the 3 (as the scheduler runs it: decodes first, the chunk in the rest of the budget). Each
+    is the median of a few steps, all sequences at --prompt-len context."""
+
+    STEPS = 4
+
+    def __init__(self, args, engine: LLMEngine, prompts: list[list[int]]):
+        assert len(prompts) >= 3
+        self.engine, self.prompts = engine, prompts[:3]
+        self.chunks = iter(make_suffixes(engine.tokenizer, args.mixed_chunk))
+        self.record = new_record("ms", ["ours"]) | {"one_ms": [], "three_ms": [], "three_plus_chunk_ms": [],
+                                                     "chunk_tokens": args.mixed_chunk}
+
+    def _timed_steps(self, n: int) -> float:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            outs = self.engine.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+            assert not any(o.finish_reason == "error" for o in outs), outs
+        return median(times)
+
+    def measure(self) -> tuple[float, None]:
+        engine, rids = self.engine, [f"steps-{next(_ids)}" for _ in range(4)]
+        params = SamplingParams(max_tokens=3 * self.STEPS + 8, temperature=0, ignore_eos=True)
+        try:
+            engine.add_request(rids[0], self.prompts[0], params)
+            engine.step()                                   # its prefill
+            one = self._timed_steps(self.STEPS)
+            for rid, prompt in zip(rids[1:3], self.prompts[1:]):
+                engine.add_request(rid, prompt, params)
+            engine.step()                                   # their prefills (one step: the budget holds them)
+            three = self._timed_steps(self.STEPS)
+            engine.add_request(rids[3], next(self.chunks), params)
+            mixed = self._timed_steps(1)
+        finally:
+            for rid in rids:
+                engine.abort(rid)
+        assert engine.num_free_blocks == engine.num_blocks
+        rec = self.record
+        rec["one_ms"].append(one); rec["three_ms"].append(three); rec["three_plus_chunk_ms"].append(mixed)
+        return three, None
+
+    def warm_up(self) -> None:
+        self.measure()
+        for key in ("one_ms", "three_ms", "three_plus_chunk_ms"):
+            self.record[key].clear()
+
+    def summary(self) -> dict:
+        rec = self.record
+        for key in ("one_ms", "three_ms", "three_plus_chunk_ms"):
+            rec[key.removesuffix("_ms") + "_median_ms"] = median(rec[key])
+        rec["three_x_one"] = median([t / o for t, o in zip(rec["three_ms"], rec["one_ms"])])
+        rec["chunk_x_three"] = median([m / t for m, t in zip(rec["three_plus_chunk_ms"], rec["three_ms"])])
+        return rec
+
+
 def new_record(unit: str, sides: list[str]) -> dict:
     fields = ("runs", "loadavg", "cpu_share", "runqueue_wait_share")
     return {"unit": unit, **{side: {f: [] for f in fields} for side in sides}}
 
 
-def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads: int) -> dict:
+def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads: int,
+                  torch_engine: LLMEngine | None = None) -> dict:
     D, C = args.decode_tokens, args.concurrency
-    sides = ["ours"] + (["hf"] if hf is not None else [])
+    sides = ["ours"] + (["torch"] if torch_engine is not None else []) + (["hf"] if hf is not None else [])
     single, batch = [prompts[0]], prompts[:C]
 
     # Each measurement returns (value in its unit, greedy output of the first sequence).
@@ -276,8 +343,8 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
             return C * (D - 1) / decode_s, out[0]
         return {"tpot": tpot_ms, "concurrent": concurrent_tps}
 
-    def ours_prefill_ms():
-        s, out = ours_prefill(engine, single[0])
+    def prefill_ms(which: LLMEngine):
+        s, out = ours_prefill(which, single[0])
         return s * 1e3, out
 
     def hf_prefill_ms():
@@ -285,36 +352,48 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
         return prefill_s * 1e3, out[0]
 
     overhead = {"tpot": [], "concurrent": []}           # ours: ms per decode step outside the forward pass
-    ours_fns = {"prefill": ours_prefill_ms, **decode_measures(functools.partial(ours_decode, engine), overhead)}
-    hf_fns = {"prefill": hf_prefill_ms, **decode_measures(functools.partial(hf_decode, hf))}
+    fns_of = {"ours": {"prefill": functools.partial(prefill_ms, engine),
+                       **decode_measures(functools.partial(ours_decode, engine), overhead)}}
+    if torch_engine is not None:
+        fns_of["torch"] = {"prefill": functools.partial(prefill_ms, torch_engine),
+                           **decode_measures(functools.partial(ours_decode, torch_engine))}
+    if hf is not None:
+        fns_of["hf"] = {"prefill": hf_prefill_ms, **decode_measures(functools.partial(hf_decode, hf))}
     units = {"prefill": "ms", "tpot": "ms", "concurrent": "tok/s"}
     records = {k: new_record(units[k], sides) for k in units}
     cached = CachedPrefill(args, engine) if args.cached_prefix else None
+    steps = DecodeSteps(args, engine, prompts) if args.mixed_chunk and len(prompts) >= 3 else None
 
     torch.set_num_threads(threads)
     log(f"threads={threads}: warm-up (every measurement once per side; short decodes)")
     # Short decodes, and short prompts for the batch: warming kernels for these shapes needs no
     # full-length prefill of every sequence (minutes on one thread).
     warm_n, warm_batch = min(D, 8), [p[:64] for p in batch]
-    ours_prefill(engine, single[0]); ours_decode(engine, single, warm_n); ours_decode(engine, warm_batch, warm_n)
+    for which in (engine, torch_engine) if torch_engine is not None else (engine,):
+        ours_prefill(which, single[0]); ours_decode(which, single, warm_n); ours_decode(which, warm_batch, warm_n)
     if hf is not None:
         hf_decode(hf, single, 1); hf_decode(hf, single, warm_n); hf_decode(hf, warm_batch, warm_n)
 
-    if cached:
-        cached.warm_up()
+    for extra in (cached, steps):
+        if extra:
+            extra.warm_up()
     for r in range(args.repeats):
         log(f"threads={threads}: round {r + 1}/{args.repeats}")
         for kind in units:
-            fns = {"ours": ours_fns[kind]} | ({"hf": hf_fns[kind]} if hf is not None else {})
+            fns = {side: fns_of[side][kind] for side in sides}
             run_pair(kind, threads, fns, records[kind], r)
         if cached:
             run_pair("cached", threads, {"ours": cached.measure}, cached.record, r)
+        if steps:
+            run_pair("steps", threads, {"ours": steps.measure}, steps.record, r)
     for kind, rec in records.items():
         summarize(rec, higher_is_better=kind == "concurrent")
     for kind, runs in overhead.items():
         records[kind]["ours"]["step_overhead_ms"] = median(runs[-args.repeats:])     # the warm-up's not
     if cached:
         records["cached_prefill"] = cached.summary()
+    if steps:
+        records["decode_steps"] = steps.summary()
 
     # Correctness beside speed: greedy tokens of ours vs HF (single stream, same prompt), and ours
     # batched vs ours alone (batch invariance). bf16 kernels differ, so a late divergence can be a
@@ -322,6 +401,11 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     ours_single = records["tpot"]["ours"].pop("last_output")
     ours_batched = records["concurrent"]["ours"].pop("last_output")
     check = {"ours_batched_vs_alone_matching_prefix": _common_prefix(ours_single, ours_batched)}
+    if torch_engine is not None:
+        check["ours_vs_torch_matching_prefix"] = _common_prefix(ours_single, records["tpot"]["torch"].pop("last_output"))
+        check["ours_vs_torch_batched_matching_prefix"] = _common_prefix(
+            ours_batched, records["concurrent"]["torch"].pop("last_output"))
+        records["prefill"]["torch"].pop("last_output", None)
     if hf is not None:
         check["ours_vs_hf_matching_prefix"] = _common_prefix(ours_single, records["tpot"]["hf"].pop("last_output"))
         check["ours_vs_hf_first_token_equal"] = (records["prefill"]["ours"].pop("last_output")[:1]
@@ -440,22 +524,23 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
               "met / NOT met against them means nothing for this run")
     print()
     C = m["concurrency"]
-    head = (f"{'thr':>3}  {'metric':<28} {'ours':>9} {'HF':>9} {'ours/HF':>8} {'reference':>9}  "
-            f"{'load1 min-max':<11} {'wait':>6}")
+    head = (f"{'thr':>3}  {'metric':<28} {'ours':>9} {'torch':>9} {'ours/torch':>10} {'HF':>9} {'ours/HF':>8} "
+            f"{'reference':>9}  {'load1 min-max':<11} {'wait':>6}")
     print(head + "\n" + "-" * len(head))
     names = {"prefill": f"prefill {m['prompt_len']} tok (ms)", "tpot": "TPOT single-stream (ms)",
              "concurrent": f"{C}-way decode (tok/s)"}
     for t, rec in results.items():
         for kind in ("prefill", "tpot", "concurrent"):
             r = rec[kind]
-            hf = r.get("hf", {}).get("median")
-            sp = r.get("speedup_vs_hf")
+            hf, tv = r.get("hf", {}).get("median"), r.get("torch", {}).get("median")
+            sp, st = r.get("speedup_vs_hf"), r.get("speedup_vs_torch")
             ref = REFERENCE.get(f"{kind}_ms", {}).get(int(t))
-            loads = [l[0] for side in ("ours", "hf") if side in r for l in r[side]["loadavg"]]
-            waits = [x for side in ("ours", "hf") if side in r for x in r[side]["runqueue_wait_share"]]
+            loads = [l[0] for side in SIDES if side in r for l in r[side]["loadavg"]]
+            waits = [x for side in SIDES if side in r for x in r[side]["runqueue_wait_share"]]
             wait = None if None in waits else max(waits)
             busy = max(loads) > m["cpu_count"] + 0.5 or (wait or 0) > BUSY_WAIT_SHARE
             print(f"{t:>3}  {names[kind]:<28} {r['ours']['median']:>9.1f} "
+                  f"{'-' if tv is None else f'{tv:.1f}':>9} {'-' if st is None else f'{st:.2f}x':>10} "
                   f"{'-' if hf is None else f'{hf:.1f}':>9} {'-' if sp is None else f'{sp:.2f}x':>8} "
                   f"{'-' if ref is None else f'{ref:.0f}':>9}  {min(loads):5.2f}-{max(loads):<5.2f} "
                   f"{'-' if wait is None else f'{wait:.2f}':>6}{'  (busy)' if busy else ''}")
@@ -466,11 +551,19 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
             c = rec["cached_prefill"]
             print(f"{t:>3}  {c['new_tokens']} new over {c['prefix_tokens']} cached (ms)  {c['ours']['median']:>9.1f}"
                   f"   alone {c['alone_median_ms']:.1f} ms: x{c['x_alone']:.2f} (median pairwise)")
+        if "decode_steps" in rec:
+            d = rec["decode_steps"]
+            print(f"{t:>3}  decode step (ms): 1 sequence {d['one_median_ms']:.1f}, 3 sequences {d['three_median_ms']:.1f} "
+                  f"(x{d['three_x_one']:.2f}), 3 + a {d['chunk_tokens']}-token prefill chunk "
+                  f"{d['three_plus_chunk_median_ms']:.1f} (x{d['chunk_x_three']:.2f} of 3 alone)")
         gc_ = rec["greedy_check"]
         print(f"     greedy check, leading tokens equal of {gc_['of_tokens']}: ours vs HF "
-              f"{gc_.get('ours_vs_hf_matching_prefix', 'n/a')}, ours batched vs alone "
+              f"{gc_.get('ours_vs_hf_matching_prefix', 'n/a')}, ours vs torch paths "
+              f"{gc_.get('ours_vs_torch_matching_prefix', 'n/a')} (batched "
+              f"{gc_.get('ours_vs_torch_batched_matching_prefix', 'n/a')}), ours batched vs alone "
               f"{gc_['ours_batched_vs_alone_matching_prefix']}")
-    print("  ours/HF: median of per-round speedups (>1: ours faster). wait: the most any run's threads spent "
+    print(f"  ours: kernels {m['kernels']}; torch: the same engine on torch's paths (cpu_kernels=False).")
+    print("  ours/torch, ours/HF: median of per-round speedups (>1: ours faster). wait: the most any run's threads spent "
           "waiting for a core (share of run time);\n  (busy): load average above the core count or wait above "
           f"{BUSY_WAIT_SHARE}: other work shared the cores, treat the row as noise.\n")
     print("the machine's limits (limits.py): measured rates, and each figure beside its floor")
@@ -515,8 +608,13 @@ def parse_args(argv=None):
     p.add_argument("--cached-prefix", type=int, default=1792,
                    help="prefill over a cached prefix of this many tokens (0: skip the measurement)")
     p.add_argument("--cached-new", type=int, default=328, help="new tokens after the cached prefix")
+    p.add_argument("--mixed-chunk", type=int, default=300,
+                   help="decode steps of 1 and 3 sequences, then of the 3 with a fresh prefill chunk of this "
+                        "many tokens (0: skip)")
     p.add_argument("--json", metavar="FILE", help="write every figure here")
-    p.add_argument("--no-hf", action="store_true", help="measure our engine only")
+    p.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
+    p.add_argument("--no-torch-paths", action="store_true",
+                   help="skip the A/B against our engine on torch's paths only (cpu_kernels=False)")
     p.add_argument("--dtypes-compare", action="store_true",
                    help="also measure our engine in float32 vs bfloat16 (prefill, TPOT; 1 thread)")
     args = p.parse_args(argv)
@@ -526,7 +624,7 @@ def parse_args(argv=None):
     return args
 
 
-def make_engine(args, dtype: str) -> LLMEngine:
+def make_engine(args, dtype: str, cpu_kernels: bool = True) -> LLMEngine:
     C, P, D = args.concurrency, args.prompt_len, args.decode_tokens
     block_size = EngineConfig.block_size
     blocks_per_seq = -(-(P + D) // block_size)
@@ -534,11 +632,13 @@ def make_engine(args, dtype: str) -> LLMEngine:
     # Room for the cached measurement too: its prefix stays cached while the new tokens are computed.
     cached_blocks = 2 * -(-cached_len // block_size) if args.cached_prefix else 0
     return LLMEngine(EngineConfig(
-        model=args.model, dtype=dtype, device=args.device, threads=args.threads[0],
+        model=args.model, dtype=dtype, device=args.device, threads=args.threads[0], cpu_kernels=cpu_kernels,
         enable_prefix_caching=False,                # repeats reuse the prompt: a cache hit would skip prefill
         # Every prefill one-shot, so the decode phase is pure decode.
         max_num_batched_tokens=max(C * P, cached_len),
-        max_num_seqs=max(C, 1), num_blocks=C * blocks_per_seq + cached_blocks + 8))
+        # DecodeSteps runs 3 sequences and a fresh chunk at once.
+        max_num_seqs=max(C, 4), num_blocks=max(C, 3) * blocks_per_seq + cached_blocks
+        + -(-(args.mixed_chunk + 32) // block_size) + 8))
 
 
 def main(argv=None) -> int:
@@ -557,11 +657,16 @@ def main(argv=None) -> int:
         hf_mode = (f"manual greedy loop over model.forward with DynamicCache (= generate's forwards), "
                    f"logits_to_keep=1, inference_mode, attn_implementation={attn}; "
                    f"concurrent: one batch of {args.concurrency} equal-length prompts, no padding")
+    torch_engine = None
+    if not args.no_torch_paths and engine.kernels.startswith("on"):
+        log("loading our engine again on torch's paths only (cpu_kernels=False), the A/B for the kernels")
+        torch_engine = make_engine(args, args.dtype, cpu_kernels=False)
     prompts = make_prompts(engine.tokenizer, args.concurrency, args.prompt_len)
 
     meta = {
         "model": args.model, "model_path": str(engine.loaded.path), "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": str(engine.device), "threads": args.threads, "repeats": args.repeats,
+        "device": str(engine.device), "threads": args.threads, "repeats": args.repeats, "kernels": engine.kernels,
+        "torch_paths_side": torch_engine is not None,
         "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens, "concurrency": args.concurrency,
         "block_size": engine.block_size, "prefix_caching": False, "torch_version": torch.__version__,
         "transformers_version": transformers_version, "hf_mode": hf_mode, "hf_attn_implementation": attn,
@@ -574,7 +679,7 @@ def main(argv=None) -> int:
     }
     results = {}
     for t in args.threads:
-        results[str(t)] = bench_threads(args, engine, hf, prompts, t)
+        results[str(t)] = bench_threads(args, engine, hf, prompts, t, torch_engine)
     goals = evaluate_goals(args, results)
 
     dtypes = None

@@ -10,7 +10,8 @@ the stack to drain and retained KV to expire, then checks that every pool is bac
 
 What it reports (stdout and OUT/soak.json): requests by outcome (anything unexpected is a finding:
 a 5xx, a stream error, a transport error, or a bad request that was not answered with a 4xx), RSS per
-process at the first sample after warm-up and at the end (the drift), peak pool use, and the pools
+process at the first sample after warm-up and at the end (the drift) and its high-water mark
+(VmHWM), peak pool use, and the pools
 after the drain. Exit status 1 if any unexpected outcome or leak was seen.
 """
 from __future__ import annotations
@@ -35,10 +36,11 @@ WEIGHTS = (5, 2, 2, 1, 1)
 RETENTION_TTL_S = 20        # short, so retained KV expires within the drain
 
 
-def rss_kib(pid: int) -> int | None:
+def rss_kib(pid: int, field: str = "VmRSS") -> int | None:
+    """A process's resident set now (VmRSS) or its high-water mark (VmHWM), KiB."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
         return None
@@ -160,7 +162,7 @@ class Soak:
                                 "retained": w.get("num_retained_blocks", 0), "total": w["num_blocks"]}
                      for w in health.get("workers", [])}
             sample = {"t_s": round(time.monotonic() - started, 1), "rss_kib": {n: rss_kib(p) for p, n in names.items()},
-                      "pools": pools, "requests": sum(self.outcomes.values())}
+                      "hwm_kib": {n: rss_kib(p, "VmHWM") for p, n in names.items()}, "pools": pools, "requests": sum(self.outcomes.values())}
             self.samples.append(sample)
             log(f"t={sample['t_s']:>6.0f}s requests={sample['requests']:>6} "
                 + " ".join(f"{n}={(k or 0) / 1024:.0f}MiB" for n, k in sample["rss_kib"].items())
@@ -196,7 +198,8 @@ class Soak:
         mib = lambda sample, name: round((sample["rss_kib"].get(name) or 0) / 1024, 1)
         rss = {}
         for name in last["rss_kib"]:
-            row = rss[name] = {"warm_mib": mib(warm, name), "half_mib": mib(half, name), "end_mib": mib(last, name)}
+            row = rss[name] = {"warm_mib": mib(warm, name), "half_mib": mib(half, name), "end_mib": mib(last, name),
+                               "high_water_mib": round((last["hwm_kib"].get(name) or 0) / 1024, 1)}
             row["drift_mib"] = round(row["end_mib"] - row["warm_mib"], 1)
             row["drift_pct"] = round(100 * row["drift_mib"] / row["warm_mib"], 1) if row["warm_mib"] else None
             # A process that only reaches its allocator's high-water mark grows early and then stops;
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in result["rss"].items():
         log(f"RSS {name:>16}: {row['warm_mib']:7.1f} MiB after warm-up, {row['half_mib']:7.1f} at half time, "
             f"{row['end_mib']:7.1f} at the end ({row['drift_mib']:+.1f} MiB since warm-up, "
-            f"{row['second_half_drift_mib']:+.1f} MiB in the second half)")
+            f"{row['second_half_drift_mib']:+.1f} MiB in the second half); high-water mark {row['high_water_mib']:.1f} MiB")
     log(f"peak blocks used: {result['peak_blocks_used']}")
     log(f"after drain: {result['after_drain']}")
     for line in result["unexpected"][:10]:

@@ -20,6 +20,7 @@ from kvhandoff.engine.request import FinishReason, Request, RequestOutput, Reque
 from kvhandoff.engine.runner import ModelRunner, kv_block_bytes
 from kvhandoff.engine.sampler import Sampler
 from kvhandoff.engine.scheduler import Scheduler
+from kvhandoff.model import kernels
 from kvhandoff.model.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class LLMEngine:
         self.device, self.dtype = pick_device_dtype(cfg)
         model_len = cfg.max_model_len or None
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, max_positions=model_len)
+        self.kernels = self._use_kernels()
         self.tokenizer = self.loaded.tokenizer
         self.served_name = self.loaded.served_name
         self.model_config = self.loaded.config
@@ -80,9 +82,24 @@ class LLMEngine:
         self.forward_s = 0.0
         # Told when retained KV is evicted because a request needed the blocks.
         self.on_evict: Callable[[str], None] | None = None
-        log.info("engine ready: model=%s device=%s dtype=%s blocks=%d x %d tokens (%.1f MiB KV)",
-                 self.served_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
-                 cfg.block_size, num_blocks * self.block_bytes / 2**20)
+        log.info("engine ready: model=%s device=%s dtype=%s threads=%d kernels=%s blocks=%d x %d tokens (%.1f MiB KV)",
+                 self.served_name, self.device, str(self.dtype).removeprefix("torch."), torch.get_num_threads(),
+                 self.kernels, num_blocks, cfg.block_size, num_blocks * self.block_bytes / 2**20)
+
+    def compute_facts(self) -> dict:
+        """What this engine computes with, as chosen for this machine (reported by /health and benchmarks)."""
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "threads": torch.get_num_threads(), "kernels": self.kernels}
+
+    def _use_kernels(self) -> str:
+        """Switch the model to the compiled CPU kernels where they apply; say which path serves."""
+        if not self.cfg.cpu_kernels:
+            return "off (cpu_kernels disabled)"
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return f"off (they cover fp32 on CPU; this engine runs {str(self.dtype).removeprefix('torch.')} on {self.device.type})"
+        if kernels.available():
+            self.loaded.model.use_cpu_kernels()
+        return kernels.status()
 
     def connect(self, connector: KVConnector) -> None:
         """Hand remote K/V and finished prefills to `connector` (before the engine runs)."""

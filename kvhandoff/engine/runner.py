@@ -75,3 +75,4 @@ class ModelRunner:
         mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
         meta.decode_block_ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         meta.decode_mask = mask.unsqueeze(1).to(self.device)
+        meta.decode_context_lens = lens.to(self.device)

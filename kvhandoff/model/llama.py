@@ -3,8 +3,10 @@
 The KV pool is one tensor, block-major: [num_blocks, num_layers, 2 (K, V), kv_heads, block_size,
 head_dim]. One block therefore holds every layer's K and V for its tokens in one contiguous range,
 which is what the transfer layer moves; inside it, one head's K (or V) for the block's tokens is a
-contiguous [block_size, head_dim] range, so decode attention gathers a sequence's K of one head into
-a contiguous matrix with one index_select and no transpose (Attention._decode). A forward pass takes
+contiguous [block_size, head_dim] range: kernels.paged_attention reads it in place, and torch's path
+(Attention._decode, the reference) gathers a sequence's K of one head into a contiguous matrix with
+one index_select and no transpose. Linear layers are nn.Linear until use_cpu_kernels() re-lays them
+for kernels.gemm_packed (fp32 on CPU). A forward pass takes
 a flat batch of tokens (prefill chunks first, then one token per decoding sequence), writes their
 K/V into the pool at (slot_block, slot_offset), and attends over each sequence's blocks.
 """
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvhandoff.config import ModelConfig
+from kvhandoff.model import kernels
 
 
 @dataclass
@@ -37,6 +40,7 @@ class BatchMetadata:
     num_prefill_tokens: int = 0
     decode_block_ids: torch.Tensor | None = None      # [B * max_blocks]: each sequence's blocks, padded
     decode_mask: torch.Tensor | None = None           # [B, 1, max_blocks * block_size] bool, True = attend
+    decode_context_lens: torch.Tensor | None = None   # [B] int64: tokens each decoding sequence attends to
 
 
 class RMSNorm(nn.Module):
@@ -114,30 +118,49 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
+        self.paged_kernel = False       # attention through kernels.paged_attention (LlamaModel.use_cpu_kernels)
 
     def forward(self, x, rope, meta: BatchMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
-            # q and k sit side by side in each row: rotate both heads-sets in one pass.
-            qk = Rotary.rotate(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), rope)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
-            q = Rotary.rotate(self.q_norm(q.view(T, self.num_heads, self.head_dim)), rope)
-            k = Rotary.rotate(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), rope)
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]     # [blocks, kv_heads, bs, D]
-        k_cache[meta.slot_block, :, meta.slot_offset] = k
-        v_cache[meta.slot_block, :, meta.slot_offset] = v
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        if self.paged_kernel and self.q_norm is None:
+            # One call rotates q and k in place and stores K and V in the pool.
+            kernels.rope_store_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope, k_cache, v_cache,
+                                  meta.slot_block, meta.slot_offset)
+            q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        else:
+            q, k = self._rotate(qkv, rope)
+            k_cache[meta.slot_block, :, meta.slot_offset] = k
+            v_cache[meta.slot_block, :, meta.slot_offset] = v
         out = torch.empty_like(q)
         for seq in meta.prefills:
             out[seq.start:seq.end] = self._prefill(q[seq.start:seq.end], k[seq.start:seq.end],
                                                    v[seq.start:seq.end], seq, k_cache, v_cache)
         if meta.decode_block_ids is not None:
             P = meta.num_prefill_tokens
-            out[P:] = self._decode(q[P:], meta, k_cache, v_cache)
+            if self.paged_kernel and kernels.attention_supported(self.num_heads, self.num_kv_heads, self.head_dim,
+                                                                 k_cache.shape[2]):
+                tables = meta.decode_block_ids.view(T - P, -1)
+                out[P:] = kernels.paged_attention(q[P:], k_cache, v_cache, tables, None, meta.decode_context_lens,
+                                                  self.scale)
+            else:
+                out[P:] = self._decode(q[P:], meta, k_cache, v_cache)
         return self.o_proj(out.view(T, self.q_size))
+
+    def _rotate(self, qkv, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k of qkv with RoPE applied (after q/k norms where the model has them), in torch."""
+        T = qkv.shape[0]
+        if self.q_norm is None:
+            # q and k sit side by side in each row: rotate both heads-sets in one pass.
+            qk = Rotary.rotate(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), rope)
+            return qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+        q = Rotary.rotate(self.q_norm(q.view(T, self.num_heads, self.head_dim)), rope)
+        k = Rotary.rotate(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), rope)
+        return q, k
 
     def _prefill(self, q, k, v, seq: PrefillSeq, k_cache, v_cache) -> torch.Tensor:
         n = q.shape[0]
@@ -156,7 +179,8 @@ class Attention(nn.Module):
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, meta: BatchMetadata, k_cache, v_cache) -> torch.Tensor:
-        """One query per sequence. _gather puts each sequence's K and V of each head into the batch
+        """One query per sequence, in torch (the reference; kernels.paged_attention reads the blocks
+        in place and serves fp32 on CPUs when it builds). _gather puts each sequence's K and V of each head into the batch
         that one bmm multiplies: one copy of the K/V per step, no transpose, and matmuls of
         [group, D] x [D, context] rather than thousands of per-block ones (measured: per-block bmm
         and advanced indexing cost ~3x more at 16 sequences). SDPA's flash kernel is ~10x slower at
@@ -203,8 +227,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.fused_norms = False    # norms and residual adds through kernels.rms_norm (use_cpu_kernels)
 
     def forward(self, x, rope, meta, kv_cache):
+        if self.fused_norms:
+            eps = self.input_layernorm.eps
+            attended = self.self_attn(kernels.rms_norm(x, self.input_layernorm.weight, eps), rope, meta, kv_cache)
+            normed = kernels.rms_norm(x, self.post_attention_layernorm.weight, eps, delta=attended)    # x += attended
+            return x.add_(self.mlp(normed))
         x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -223,11 +253,32 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_head: kernels.PackedLinear | None = None       # set by use_cpu_kernels
+
+    def use_cpu_kernels(self) -> None:
+        """Serve through kernels.py: every linear layer's weight re-laid once for gemm_packed (the
+        original dropped, so memory stays one copy; a tied embedding is looked up from the packed
+        output matrix), decode attention reading the pool in place. Serving only: the HF state-dict
+        methods need the plain layout."""
+        assert kernels.available() and next(self.parameters()).dtype == torch.float32
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = kernels.PackedLinear.of(attn.qkv_proj), kernels.PackedLinear.of(attn.o_proj)
+            mlp.gate_up_proj, mlp.down_proj = kernels.PackedLinear.of(mlp.gate_up_proj), kernels.PackedLinear.of(mlp.down_proj)
+            attn.paged_kernel = layer.fused_norms = True
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = kernels.PackedLinear(head.detach(), None)
+        if self.lm_head is None:
+            self.embed_tokens = None
+        self.lm_head = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) if self.embed_tokens is not None else self.packed_head.rows(input_ids)
 
     def forward(self, input_ids, positions, meta: BatchMetadata, kv_cache, on_layer=None) -> torch.Tensor:
         """`on_layer(i)`, if given, runs once layer i's K/V for this batch are in the pool (layer-wise
         handoff sends them while later layers compute)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary.table(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, kv_cache)
@@ -236,6 +287,8 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

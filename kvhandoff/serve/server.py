@@ -46,12 +46,13 @@ class EngineInfo:
     tokenizer: Any                              # encode, decode, apply_chat_template
     pool_tokens: int | None = None              # KV pool capacity: caps the default max_tokens
     aliases: set[str] = field(default_factory=set)   # other names a request may use for the model
+    compute: dict = field(default_factory=dict)      # device, dtype, threads, kernels: shown in /health
 
     @classmethod
     def from_engine(cls, engine, alias: str | None = None) -> "EngineInfo":
         return cls(served_name=engine.served_name, max_model_len=engine.max_model_len, tokenizer=engine.tokenizer,
                    pool_tokens=engine.num_blocks * engine.block_size,
-                   aliases={alias} if alias else set())
+                   aliases={alias} if alias else set(), compute=engine.compute_facts())
 
 
 class RequestStream:
@@ -540,7 +541,7 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo, max_in_flight: int | 
     @app.get("/health")
     async def health():
         stats = {"model": engine_info.served_name, "role": srv.handoff.role if srv.handoff else "both",
-                 **loop.stats()}
+                 **engine_info.compute, **loop.stats()}
         if not loop.is_alive():
             return JSONResponse({"status": "error", "error": loop.fatal_error or "engine loop stopped", **stats},
                                 status_code=503)

@@ -1,0 +1,225 @@
+/* kvhandoff's fp32 CPU kernels for the decode shapes where torch's CPU paths leave the machine idle.
+ *
+ * gemm_packed: y = x W^T for a weight re-laid once as panels of 16 output columns ([N/16][K][16]),
+ *   so each step streams every weight once, in order, for the whole batch (1-6 rows per register
+ *   tile). MKL's fp32 linear at 1-16 rows read the weights at about half the memory bandwidth on
+ *   the AMD machines seen (issue 12); this keeps up with it at 1024 rows too, so prefill uses it.
+ * paged_attention: each query row attends over its sequence's blocks where they lie in the KV pool
+ *   (online softmax, one block at a time), instead of gathering them into a contiguous copy.
+ *
+ * Built by kvhandoff/model/kernels.py with the system's gcc and -march=native, once per machine
+ * (the build cache key includes the CPU flags); loaded with ctypes into a process that already
+ * runs torch, so `-fopenmp` binds to torch's own libgomp (same soname) and shares its thread pool.
+ * Without AVX2/FMA this file does not compile and the engine runs on torch alone.
+ */
+#include <stdint.h>
+#include <math.h>
+#include <immintrin.h>
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "kvhandoff's CPU kernels need AVX2 and FMA; the engine falls back to torch"
+#endif
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));   /* unaligned loads and stores */
+typedef int v8i __attribute__((vector_size(32)));
+
+/* ---- packed-weight matmul ------------------------------------------------------------------ */
+#define PANEL 16
+#define TILE(MR) \
+static void tile##MR(long K, const float* restrict x, long ldx, const float* restrict panel, float* restrict y, long ldy) { \
+  v8 lo[MR], hi[MR]; \
+  for (int i = 0; i < MR; i++) { lo[i] = (v8){0}; hi[i] = (v8){0}; } \
+  for (long k = 0; k < K; k++) { \
+    v8 w0 = *(const v8*)(panel + PANEL * k), w1 = *(const v8*)(panel + PANEL * k + 8); \
+    for (int i = 0; i < MR; i++) { float a = x[i * ldx + k]; lo[i] += a * w0; hi[i] += a * w1; } \
+  } \
+  for (int i = 0; i < MR; i++) { *(v8u*)(y + i * ldy) = lo[i]; *(v8u*)(y + i * ldy + 8) = hi[i]; } \
+}
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+typedef void (*tile_t)(long, const float*, long, const float*, float*, long);
+static const tile_t TILES[7] = {0, tile1, tile2, tile3, tile4, tile5, tile6};
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, W packed as [N/16][K][16] (64-byte aligned). */
+void gemm_packed(const float* x, long M, long K, long ldx, const float* packed, long N, float* y, long ldy,
+                 int num_threads) {
+  #pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (long j = 0; j < N / PANEL; j++) {
+    const float* panel = packed + j * K * PANEL;       /* stays in L2 while every row passes over it */
+    for (long m = 0; m < M; m += 6) {
+      long rows = M - m < 6 ? M - m : 6;
+      TILES[rows](K, x + m * ldx, ldx, panel, y + m * ldy + j * PANEL, ldy);
+    }
+  }
+}
+
+/* ---- paged attention ----------------------------------------------------------------------- */
+/* Measured on the AVX2-only EPYC (1 thread, SmolLM2, 1,024 context, in the engine): ~4.5-5 GB/s
+   from memory, where a plain read of the same chunks runs at 7-11 GB/s: the dot products (one
+   horizontal reduction per 8 keys) and the V updates cost about as much as the reads and do not
+   overlap them. Tried without a measurable gain: prefetching 2 or 4 blocks ahead; one task per
+   row over all its heads, so a block's layer is read in order. */
+#define MAX_BLOCK 256
+
+/* e^x for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| < ln 2. */
+static inline v8 exp8(v8 x) {
+  const v8 lo = {-87.f,-87.f,-87.f,-87.f,-87.f,-87.f,-87.f,-87.f};
+  v8i below = x < lo;
+  x = (v8)((below & (v8i)lo) | (~below & (v8i)x));
+  v8 y = x * 1.44269504088896341f;
+  v8i n = __builtin_convertvector(y, v8i);
+  v8 nf = __builtin_convertvector(n, v8);
+  v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v8 p = 1.9875691500E-4f * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  v8i bits = (n + 127) << 23;
+  return p * (v8)bits;
+}
+
+/* [sum(a[0]), ..., sum(a[7])] */
+static inline v8 reduce8(const v8* a) {
+  __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  t0 = _mm256_hadd_ps(t0, t1); t1 = _mm256_hadd_ps(t2, t3);
+  return (v8)_mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* One (row, kv head): `G` query heads share its K/V; `DV` = head_dim / 8. */
+#define ATTEND(G, DV) \
+static void attend_##G##_##DV(const float* q, float* out, const float* K0, const float* V0, long block_stride, \
+                              long head_offset, long block_size, const int64_t* table, long len) { \
+  enum { D = 8 * DV }; \
+  float m[G], l[G]; \
+  v8 acc[G][DV]; \
+  float s[G][MAX_BLOCK + 8] __attribute__((aligned(32))); \
+  for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; for (int d = 0; d < DV; d++) acc[g][d] = (v8){0}; } \
+  for (long start = 0, blk = 0; start < len; start += block_size, blk++) { \
+    long n = len - start < block_size ? len - start : block_size; \
+    const float* K = K0 + table[blk] * block_stride + head_offset; \
+    const float* V = V0 + table[blk] * block_stride + head_offset; \
+    if (start + block_size < len) { /* the next block lies pages away: hardware prefetch won't reach it */ \
+      const char* nk = (const char*)(K0 + table[blk + 1] * block_stride + head_offset); \
+      const char* nv = (const char*)(V0 + table[blk + 1] * block_stride + head_offset); \
+      for (long off = 0; off < block_size * D * 4; off += 64) { __builtin_prefetch(nk + off); __builtin_prefetch(nv + off); } \
+    } \
+    for (long t = 0; t < n; t += 8) { \
+      long w = n - t < 8 ? n - t : 8; \
+      for (int g = 0; g < G; g++) { \
+        v8 a[8]; \
+        for (int j = 0; j < 8; j++) a[j] = (v8){0}; \
+        for (int d = 0; d < DV; d++) { \
+          v8 qv = *(const v8u*)(q + g * D + 8 * d); \
+          for (int j = 0; j < 8; j++) if (j < w) a[j] += qv * *(const v8u*)(K + (t + j) * D + 8 * d); \
+        } \
+        *(v8*)&s[g][t] = reduce8(a); \
+      } \
+    } \
+    for (int g = 0; g < G; g++) { \
+      float bm = s[g][0]; \
+      for (long t = 1; t < n; t++) bm = s[g][t] > bm ? s[g][t] : bm; \
+      float mn = bm > m[g] ? bm : m[g], corr = expf(m[g] - mn), sum = 0.f; \
+      m[g] = mn; \
+      for (long t = 0; t < n; t += 8) { \
+        v8 e = exp8(*(v8*)&s[g][t] - mn); \
+        for (int j = 0; j < 8; j++) if (t + j >= n) e[j] = 0.f; \
+        *(v8*)&s[g][t] = e; \
+        sum += e[0] + e[1] + e[2] + e[3] + e[4] + e[5] + e[6] + e[7]; \
+      } \
+      l[g] = l[g] * corr + sum; \
+      for (int d = 0; d < DV; d++) acc[g][d] *= corr; \
+    } \
+    for (int d = 0; d < DV; d++) { \
+      v8 r[G]; \
+      for (int g = 0; g < G; g++) r[g] = acc[g][d]; \
+      for (long t = 0; t < n; t++) { \
+        v8 vv = *(const v8u*)(V + t * D + 8 * d); \
+        for (int g = 0; g < G; g++) r[g] += s[g][t] * vv; \
+      } \
+      for (int g = 0; g < G; g++) acc[g][d] = r[g]; \
+    } \
+  } \
+  for (int g = 0; g < G; g++) { \
+    float inv = 1.f / l[g]; \
+    for (int d = 0; d < DV; d++) *(v8u*)(out + g * D + 8 * d) = acc[g][d] * inv; \
+  } \
+}
+#define ATTEND_D(G) ATTEND(G, 4) ATTEND(G, 8) ATTEND(G, 16)
+ATTEND_D(1) ATTEND_D(2) ATTEND_D(3) ATTEND_D(4) ATTEND_D(5) ATTEND_D(6) ATTEND_D(7) ATTEND_D(8)
+typedef void (*attend_t)(const float*, float*, const float*, const float*, long, long, long, const int64_t*, long);
+#define PAIR(G) {attend_##G##_4, attend_##G##_8, attend_##G##_16}
+static const attend_t ATTENDS[9][3] = {{0, 0, 0}, PAIR(1), PAIR(2), PAIR(3), PAIR(4), PAIR(5), PAIR(6), PAIR(7), PAIR(8)};
+
+/* Which (group, head_dim) pairs paged_attention serves; the caller falls back to torch otherwise. */
+int paged_attention_supports(long group, long head_dim, long block_size) {
+  return group >= 1 && group <= 8 && (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size <= MAX_BLOCK;
+}
+
+/* Attention of query rows over paged K/V read in place.
+   q: [rows, heads, D] (already scaled); out: same. Row r attends to the first row_len[r] tokens of
+   sequence row_seq[r] (r itself if row_seq is NULL), whose blocks are block_tables[row_seq[r] * max_blocks ...].
+   K of block b, head h starts at k_base + b * block_stride + h * block_size * D (same for V). */
+void paged_attention(const float* q, float* out, long rows, long heads, long kv_heads, long D,
+                     const float* k_base, const float* v_base, long block_stride, long block_size,
+                     const int64_t* block_tables, long max_blocks, const int64_t* row_seq,
+                     const int64_t* row_len, int num_threads) {
+  long group = heads / kv_heads;
+  attend_t attend = ATTENDS[group][D == 32 ? 0 : D == 64 ? 1 : 2];
+  #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+  for (long task = 0; task < rows * kv_heads; task++) {
+    long r = task / kv_heads, h = task % kv_heads;
+    attend(q + (r * heads + h * group) * D, out + (r * heads + h * group) * D, k_base, v_base, block_stride,
+           h * block_size * D, block_size, block_tables + (row_seq ? row_seq[r] : r) * max_blocks, row_len[r]);
+  }
+}
+
+/* ---- the small ops around them, fused: each torch op costs microseconds of dispatch, and a decode
+   step of a 30-layer model runs about forty of them per layer ------------------------------------ */
+
+/* out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps); with delta, first x[r] += delta[r] (residual). */
+void rms_norm(float* x, const float* delta, long rows, long dim, long ldx, long ld_delta, const float* weight,
+              float eps, float* out) {
+  for (long r = 0; r < rows; r++) {
+    float* xr = x + r * ldx;
+    float* o = out + r * dim;
+    if (delta)
+      for (long i = 0; i < dim; i++) xr[i] += delta[r * ld_delta + i];
+    float sum = 0.f;
+    #pragma omp simd reduction(+:sum)
+    for (long i = 0; i < dim; i++) sum += xr[i] * xr[i];
+    float inv = 1.f / sqrtf(sum / dim + eps);
+    for (long i = 0; i < dim; i++) o[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+/* Rotate-half RoPE on every q and k head of each row of qkv ([T][q heads | kv heads | kv heads] x D,
+   row stride ld) in place, with row t's angles in cos_rows/sin_rows [T][D/2]; then store each row's
+   K and V at (slot_block, slot_offset) of the pool. */
+void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long D, const float* cos_rows,
+                   const float* sin_rows, float* k_base, float* v_base,
+                   long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset) {
+  long half = D / 2;
+  for (long t = 0; t < T; t++) {
+    float* row = qkv + t * ld;
+    const float* c = cos_rows + t * half;
+    const float* s = sin_rows + t * half;
+    for (long h = 0; h < heads + kv_heads; h++) {
+      float* x = row + h * D;
+      for (long i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    }
+    long slot = slot_block[t] * block_stride + slot_offset[t] * D;
+    for (long j = 0; j < kv_heads; j++) {
+      const float* k = row + (heads + j) * D;
+      const float* v = row + (heads + kv_heads + j) * D;
+      float* kd = k_base + slot + j * block_size * D;
+      float* vd = v_base + slot + j * block_size * D;
+      for (long i = 0; i < D; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+    }
+  }
+}

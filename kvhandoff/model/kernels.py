@@ -1,0 +1,197 @@
+"""The fp32 CPU kernels of cpu_kernels.c: built once per machine, loaded with ctypes, torch otherwise.
+
+Why a compiled kernel at all (issue 12, measured on a 2-core AMD EPYC without AVX-512): torch's fp32
+`linear` at 1-16 rows read the weights at about half the memory bandwidth (the 49,152-row output
+matrix at ~7 GB/s for one row), and no pure-torch decode attention avoided copying each sequence's
+blocks out of the pool at every layer. The C file is small, has no dependency beyond the system's
+gcc, and compiles in about a second, so it is built on first use into the build cache under a key
+of its source, the compiler and this CPU's flags (-march=native), and shared by every process.
+
+When anything is missing (no gcc, no AVX2/FMA, a failed build, a model shape the kernels don't cover,
+bf16/fp16, a GPU) the engine runs the torch paths of kvhandoff.model.llama, which stay the reference
+the tests compare against; `status()` says which and why.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvhandoff.model.build_cache import cached_build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+COMPILE = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-c"]
+PANEL = 16                              # output columns per packed panel (PANEL in cpu_kernels.c)
+DISABLE_ENV = "KVHANDOFF_CPU_KERNELS"   # "0": never use them (A/B against the torch paths)
+
+_P, _L = ctypes.c_void_p, ctypes.c_long
+_SIGNATURES = {
+    "gemm_packed": [_P, _L, _L, _L, _P, _L, _P, _L, ctypes.c_int],
+    "paged_attention": [_P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _P, _P, ctypes.c_int],
+    "paged_attention_supports": [_L, _L, _L],
+    "rms_norm": [_P, _P, _L, _L, _L, _L, _P, ctypes.c_float, _P],
+    "rope_store_kv": [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _L, _L, _P, _P],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _compile(folder: Path) -> None:
+    obj, lib = folder / "cpu_kernels.o", folder / "cpu_kernels.so"
+    # Compile and link apart: linking with the math-relaxing flags some gccs add for -O3 builds could
+    # pull in crtfastmath.o, which would flush denormals for the whole process (torch included).
+    for cmd in (["gcc", *COMPILE, str(SOURCE), "-o", str(obj)], ["gcc", "-shared", "-fopenmp", str(obj), "-o", str(lib)]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:2])} failed: {done.stderr.strip()[-400:]}")
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(library, how it stands): the library is None when the torch paths must serve."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None, f"off ({DISABLE_ENV}=0)"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"off (no kernels for {platform.machine()})"
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        return None, "off (no gcc to build them)"
+    try:
+        version = subprocess.run([gcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE).encode() + version.encode()
+                             + _cpu_flags().encode()).hexdigest()[:12]
+        folder = cached_build(f"cpu-kernels-{key}", _compile)
+        lib = ctypes.CDLL(str(folder / "cpu_kernels.so"))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        log.warning("CPU kernels unavailable, using torch's paths: %s", err)
+        return None, f"off (build failed: {str(err)[:200]})"
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib, "on (gcc -march=native, fp32)"
+
+
+def status() -> str:
+    return _load()[1]
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def _threads() -> int:
+    # Passed on every call: OpenMP's thread count is per calling thread, and the engine's forward
+    # pass runs on a thread that never called torch.set_num_threads.
+    return torch.get_num_threads()
+
+
+class PackedLinear(nn.Module):
+    """A bias-optional nn.Linear whose weight is re-laid as [N/16, K, 16] panels for gemm_packed.
+    N is padded to the panel width; the padding columns are computed and dropped."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+        self.out_features, self.in_features = weight.shape
+        pad = -self.out_features % PANEL
+        if pad:
+            weight = torch.cat([weight, weight.new_zeros(pad, self.in_features)])
+        self.register_buffer("panels", weight.reshape(-1, PANEL, self.in_features).transpose(1, 2).contiguous())
+        self.bias = bias
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = _load()[0]
+        lead, K = x.shape[:-1], self.in_features
+        x = x.reshape(-1, K)
+        if x.stride(-1) != 1 or x.dtype != torch.float32:
+            x = x.contiguous().float()
+        padded = self.panels.shape[0] * PANEL
+        y = torch.empty(x.shape[0], padded, dtype=torch.float32)
+        lib.gemm_packed(x.data_ptr(), x.shape[0], K, x.stride(0), self.panels.data_ptr(), padded,
+                        y.data_ptr(), padded, _threads())
+        if padded != self.out_features:
+            y = y[:, :self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight (a tied embedding looked up from the packed copy: one copy of it)."""
+        return self.panels[ids // PANEL, :, ids % PANEL]
+
+
+@functools.cache
+def attention_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    lib = _load()[0]
+    return (lib is not None and num_heads % num_kv_heads == 0
+            and bool(lib.paged_attention_supports(num_heads // num_kv_heads, head_dim, block_size)))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    row_seq: torch.Tensor | None, row_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q [rows, heads, D] over the blocks of one layer's K/V, read in place.
+
+    k_cache, v_cache: one layer's views [num_blocks, kv_heads, block_size, D] of the block-major pool
+    (a block's stride spans all layers); block_tables: int64 [seqs, max_blocks]; row r attends to the
+    first row_len[r] tokens of sequence row_seq[r] (of sequence r when row_seq is None)."""
+    lib = _load()[0]
+    rows, heads, D = q.shape
+    _, kv_heads, block_size, _ = k_cache.shape
+    assert k_cache.stride()[1:] == (block_size * D, D, 1) and v_cache.stride() == k_cache.stride()
+    assert block_tables.dtype == row_len.dtype == torch.int64 and block_tables.is_contiguous()
+    assert row_seq is None or row_seq.dtype == torch.int64
+    q, row_len = (q * scale).contiguous(), row_len.contiguous()      # held across the call
+    row_seq = None if row_seq is None else row_seq.contiguous()
+    out = torch.empty_like(q)
+    lib.paged_attention(q.data_ptr(), out.data_ptr(), rows, heads, kv_heads, D, k_cache.data_ptr(), v_cache.data_ptr(),
+                        k_cache.stride(0), block_size, block_tables.data_ptr(), block_tables.shape[1],
+                        None if row_seq is None else row_seq.data_ptr(), row_len.data_ptr(), _threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of x [T, dim] (fp32). With `delta`, x += delta first, in place (the
+    residual add before the norm), so the caller's x holds the sum afterwards."""
+    lib = _load()[0]
+    rows, dim = x.shape
+    assert x.stride(1) == 1 and weight.is_contiguous() and (delta is None or delta.stride(1) == 1)
+    out = torch.empty(rows, dim, dtype=torch.float32)
+    lib.rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), rows, dim, x.stride(0),
+                 0 if delta is None else delta.stride(0), weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def rope_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor],
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_block: torch.Tensor, slot_offset: torch.Tensor) -> None:
+    """Rotate q and k of qkv [T, (heads + 2 kv_heads) * D] in place (rope: the rows' cos, sin, each
+    [T, 1, D/2]) and store K and V at (slot_block, slot_offset) of one layer's pool views."""
+    lib = _load()[0]
+    cos, sin = (t.contiguous() for t in rope)
+    assert cos.dtype == sin.dtype == qkv.dtype == torch.float32
+    _, _, block_size, _ = k_cache.shape
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
+    assert slot_block.dtype == slot_offset.dtype == torch.int64 and slot_block.is_contiguous() and slot_offset.is_contiguous()
+    assert k_cache.stride()[1:] == (block_size * head_dim, head_dim, 1) and v_cache.stride() == k_cache.stride()
+    lib.rope_store_kv(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(),
+                      sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), block_size,
+                      slot_block.data_ptr(), slot_offset.data_ptr())

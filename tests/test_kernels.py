@@ -1,0 +1,164 @@
+"""The compiled CPU kernels (kvhandoff.model.kernels) against torch: the packed matmul against
+F.linear at every batch shape the engine produces, paged attention against dense attention over the
+same blocks, the packed model against the plain one, and a clean fallback when they cannot build."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvhandoff.config import ModelConfig
+from kvhandoff.model import kernels
+from kvhandoff.model.llama import LlamaModel, RMSNorm, Rotary, prompt_logits
+
+
+def _cpu_can_build() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+# Every machine CI has run on has AVX2, FMA and gcc: there the kernels must build, not quietly fall back.
+pytestmark = pytest.mark.skipif(not _cpu_can_build(), reason="the kernels need AVX2 and FMA")
+
+
+def test_the_kernels_build_here():
+    assert kernels.available(), kernels.status()
+    assert kernels.status().startswith("on")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 33, 300])
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (40, 128, True), (49, 17, False)])
+def test_packed_linear_equals_f_linear(rows, out_features, in_features, bias):
+    g = torch.Generator().manual_seed(rows * 7 + out_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    packed = kernels.PackedLinear(weight, b)
+    torch.testing.assert_close(packed(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    # A strided input (a column slice, as q/k/v splits make) and leading batch dimensions.
+    wide = torch.randn(rows, in_features + 3, generator=g)[:, 3:]
+    torch.testing.assert_close(packed(wide), F.linear(wide, weight, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(packed(x.view(1, rows, -1)), F.linear(x, weight, b).view(1, rows, -1),
+                               rtol=1e-5, atol=1e-4)
+    ids = torch.tensor([0, out_features - 1, out_features // 2])
+    assert torch.equal(packed.rows(ids), weight[ids])
+
+
+def dense_attention(q, k_cache, v_cache, tables, row_seq, row_len, scale):
+    """Each row's sequence's blocks gathered, then plain softmax attention over its first row_len tokens."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = torch.empty_like(q)
+    for r in range(q.shape[0]):
+        blocks = tables[row_seq[r]]
+        keys = k_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :row_len[r]]        # [kv_heads, len, D]
+        values = v_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :row_len[r]]
+        keys, values = (t.repeat_interleave(heads // kv_heads, dim=0) for t in (keys, values))
+        probs = torch.softmax((q[r].unsqueeze(1) @ keys.transpose(1, 2)) * scale, dim=-1)
+        out[r] = (probs @ values).squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (4, 2, 32, 16), (8, 8, 128, 32), (14, 2, 64, 5), (4, 1, 64, 256)])
+def test_paged_attention_equals_dense(heads, kv_heads, head_dim, block_size):
+    assert kernels.attention_supported(heads, kv_heads, head_dim, block_size)
+    g = torch.Generator().manual_seed(heads * 100 + block_size)
+    layers, layer, num_blocks, seqs, max_blocks = 3, 1, 64, 5, 9
+    # The block-major pool of the runner: a block's stride spans every layer's K and V.
+    pool = torch.randn(num_blocks, layers, 2, kv_heads, block_size, head_dim, generator=g)
+    k_cache, v_cache = pool[:, layer, 0], pool[:, layer, 1]
+    tables = torch.randperm(num_blocks, generator=g)[:seqs * max_blocks].view(seqs, max_blocks).contiguous()
+    # Lengths from one token to every block full, partial last blocks among them; rows may share a sequence.
+    row_len = torch.tensor([1, block_size, block_size + 1, max_blocks * block_size, 3 * block_size - 2, 7])
+    row_seq = torch.tensor([0, 1, 2, 3, 4, 3])
+    q = torch.randn(len(row_len), heads, head_dim, generator=g) * 3
+    scale = head_dim ** -0.5
+    got = kernels.paged_attention(q, k_cache, v_cache, tables, row_seq, row_len, scale)
+    torch.testing.assert_close(got, dense_attention(q, k_cache, v_cache, tables, row_seq, row_len, scale),
+                               rtol=1e-4, atol=1e-5)
+    # row_seq None: row r is sequence r.
+    first = kernels.paged_attention(q[:seqs], k_cache, v_cache, tables, None, row_len[:seqs], scale)
+    torch.testing.assert_close(first, got[:seqs])
+
+
+def test_unsupported_shapes_are_refused():
+    assert not kernels.attention_supported(9, 3, 80, 16)        # head_dim 80
+    assert not kernels.attention_supported(18, 1, 64, 16)       # 18 query heads per KV head
+    assert not kernels.attention_supported(9, 2, 64, 16)        # heads not a multiple of KV heads
+    assert not kernels.attention_supported(9, 3, 64, 512)       # block longer than the kernel's buffer
+
+
+def test_rms_norm_with_and_without_the_residual_add():
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=g)
+    x, delta = torch.randn(7, 96, generator=g) * 4, torch.randn(7, 96, generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.rms_norm(x.clone(), norm.weight, norm.eps), norm(x))
+        summed = x.clone()
+        torch.testing.assert_close(kernels.rms_norm(summed, norm.weight, norm.eps, delta=delta), norm(x + delta))
+    assert torch.equal(summed, x + delta)          # the residual sum stays in the caller's tensor
+
+
+def test_rope_and_kv_store_equal_torch():
+    cfg = ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256)
+    g = torch.Generator().manual_seed(9)
+    T, heads, kv_heads, D, block_size = 11, 4, 2, 32, 8
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 200, 201, 17, 255])
+    rope = Rotary(cfg, 256).table(positions, torch.float32)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * D, generator=g)
+    pool = torch.zeros(40, 2, 2, kv_heads, block_size, D)
+    slot_block, slot_offset = torch.randperm(40, generator=g)[:T], torch.randint(0, block_size, (T,), generator=g)
+    expected_q = Rotary.rotate(qkv[:, :heads * D].view(T, heads, D), rope)
+    expected_k = Rotary.rotate(qkv[:, heads * D:(heads + kv_heads) * D].view(T, kv_heads, D), rope)
+    v = qkv[:, (heads + kv_heads) * D:].view(T, kv_heads, D).clone()
+    kernels.rope_store_kv(qkv, heads, kv_heads, D, rope, pool[:, 1, 0], pool[:, 1, 1], slot_block, slot_offset)
+    torch.testing.assert_close(qkv[:, :heads * D].view(T, heads, D), expected_q)
+    torch.testing.assert_close(pool[slot_block, 1, 0, :, slot_offset], expected_k)
+    assert torch.equal(pool[slot_block, 1, 1, :, slot_offset], v)
+    assert pool[:, 0].abs().sum() == 0              # the other layer is untouched
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_packed_model_gives_the_plain_models_logits(tied):
+    cfg = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=200, num_layers=2, num_heads=6,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=512, tie_word_embeddings=tied)
+    torch.manual_seed(3)
+    plain = LlamaModel(cfg).eval()
+    packed = LlamaModel(cfg).eval()
+    packed.load_state_dict(plain.state_dict())
+    packed.use_cpu_kernels()
+    assert packed.embed_tokens is None if tied else packed.embed_tokens is not None
+    ids = torch.randint(0, cfg.vocab_size, (70,)).tolist()
+    with torch.inference_mode():
+        torch.testing.assert_close(prompt_logits(packed, ids), prompt_logits(plain, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_without_gcc_the_engine_falls_back_to_torch(tmp_path):
+    """No compiler on PATH: the engine says so and serves the same greedy tokens through torch."""
+    script = (
+        "from kvhandoff.config import EngineConfig\n"
+        "from kvhandoff.engine.engine import LLMEngine\n"
+        "from kvhandoff.engine.request import SamplingParams\n"
+        "e = LLMEngine(EngineConfig(model='tiny', dtype='float32'))\n"
+        "print(e.kernels)\n"
+        "print(e.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0])\n")
+    env = {**os.environ, "PATH": str(tmp_path)}     # an empty folder: no gcc
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    status, tokens = out.stdout.strip().splitlines()[-2:]
+    assert status == "off (no gcc to build them)"
+    env[kernels.DISABLE_ENV] = "1"
+    env["PATH"] = os.environ["PATH"]
+    with_kernels = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert with_kernels.returncode == 0, with_kernels.stderr[-2000:]
+    assert with_kernels.stdout.strip().splitlines()[-2:] == [kernels.status(), tokens]
