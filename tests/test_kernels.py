@@ -16,16 +16,8 @@ from kvhandoff.model import kernels
 from kvhandoff.model.llama import LlamaModel, RMSNorm, Rotary, prompt_logits
 
 
-def _cpu_can_build() -> bool:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
 # Every machine CI has run on has AVX2, FMA and gcc: there the kernels must build, not quietly fall back.
-pytestmark = pytest.mark.skipif(not _cpu_can_build(), reason="the kernels need AVX2 and FMA")
+pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= kernels.cpu_flags(), reason="the kernels need AVX2 and FMA")
 
 
 def test_the_kernels_build_here():

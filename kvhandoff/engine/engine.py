@@ -28,11 +28,7 @@ log = logging.getLogger(__name__)
 
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: PyTorch's bf16 matmuls then beat fp32 several times over on this CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = kernels.cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

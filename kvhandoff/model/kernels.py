@@ -45,12 +45,13 @@ _SIGNATURES = {
 }
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo), empty where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
     except OSError:
-        return ""
+        return frozenset()
 
 
 def _compile(folder: Path) -> None:
@@ -76,7 +77,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     try:
         version = subprocess.run([gcc, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE).encode() + version.encode()
-                             + _cpu_flags().encode()).hexdigest()[:12]
+                             + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
         folder = cached_build(f"cpu-kernels-{key}", _compile)
         lib = ctypes.CDLL(str(folder / "cpu_kernels.so"))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
