@@ -6,9 +6,9 @@ which is what the transfer layer moves; inside it, one head's K (or V) for the b
 contiguous [block_size, head_dim] range: kernels.paged_attention reads it in place, and torch's path
 (Attention._decode, the reference) gathers a sequence's K of one head into a contiguous matrix with
 one index_select and no transpose. Linear layers are nn.Linear until use_cpu_kernels() re-lays them
-for kernels.gemm_packed (fp32 on CPU). A forward pass takes
-a flat batch of tokens (prefill chunks first, then one token per decoding sequence), writes their
-K/V into the pool at (slot_block, slot_offset), and attends over each sequence's blocks.
+for kernels.gemm_packed (fp32 on CPU). A forward pass takes a flat batch of tokens (prefill chunks
+first, then one token per decoding sequence), writes their K/V into the pool at (slot_block,
+slot_offset), and attends over each sequence's blocks.
 """
 from __future__ import annotations
 
@@ -231,9 +231,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, meta, kv_cache):
         if self.fused_norms:
-            eps = self.input_layernorm.eps
-            attended = self.self_attn(kernels.rms_norm(x, self.input_layernorm.weight, eps), rope, meta, kv_cache)
-            normed = kernels.rms_norm(x, self.post_attention_layernorm.weight, eps, delta=attended)    # x += attended
+            pre, post = self.input_layernorm, self.post_attention_layernorm
+            attended = self.self_attn(kernels.rms_norm(x, pre.weight, pre.eps), rope, meta, kv_cache)
+            normed = kernels.rms_norm(x, post.weight, post.eps, delta=attended)     # x += attended
             return x.add_(self.mlp(normed))
         x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
