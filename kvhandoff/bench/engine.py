@@ -264,13 +264,13 @@ class DecodeSteps:
     is the median of a few steps, all sequences at --prompt-len context."""
 
     STEPS = 4
+    SERIES = ("one_ms", "three_ms", "three_plus_chunk_ms")
 
     def __init__(self, args, engine: LLMEngine, prompts: list[list[int]]):
         assert len(prompts) >= 3
         self.engine, self.prompts = engine, prompts[:3]
         self.chunks = iter(make_suffixes(engine.tokenizer, args.mixed_chunk))
-        self.record = new_record("ms", ["ours"]) | {"one_ms": [], "three_ms": [], "three_plus_chunk_ms": [],
-                                                     "chunk_tokens": args.mixed_chunk}
+        self.record = new_record("ms", ["ours"]) | {key: [] for key in self.SERIES} | {"chunk_tokens": args.mixed_chunk}
 
     def _timed_steps(self, n: int) -> float:
         times = []
@@ -298,18 +298,18 @@ class DecodeSteps:
             for rid in rids:
                 engine.abort(rid)
         assert engine.num_free_blocks == engine.num_blocks
-        rec = self.record
-        rec["one_ms"].append(one); rec["three_ms"].append(three); rec["three_plus_chunk_ms"].append(mixed)
+        for key, value in zip(self.SERIES, (one, three, mixed)):
+            self.record[key].append(value)
         return three, None
 
     def warm_up(self) -> None:
         self.measure()
-        for key in ("one_ms", "three_ms", "three_plus_chunk_ms"):
+        for key in self.SERIES:
             self.record[key].clear()
 
     def summary(self) -> dict:
         rec = self.record
-        for key in ("one_ms", "three_ms", "three_plus_chunk_ms"):
+        for key in self.SERIES:
             rec[key.removesuffix("_ms") + "_median_ms"] = median(rec[key])
         rec["three_x_one"] = median([t / o for t, o in zip(rec["three_ms"], rec["one_ms"])])
         rec["chunk_x_three"] = median([m / t for m, t in zip(rec["three_plus_chunk_ms"], rec["three_ms"])])
@@ -369,7 +369,7 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     # Short decodes, and short prompts for the batch: warming kernels for these shapes needs no
     # full-length prefill of every sequence (minutes on one thread).
     warm_n, warm_batch = min(D, 8), [p[:64] for p in batch]
-    for which in (engine, torch_engine) if torch_engine is not None else (engine,):
+    for which in [e for e in (engine, torch_engine) if e is not None]:
         ours_prefill(which, single[0]); ours_decode(which, single, warm_n); ours_decode(which, warm_batch, warm_n)
     if hf is not None:
         hf_decode(hf, single, 1); hf_decode(hf, single, warm_n); hf_decode(hf, warm_batch, warm_n)
