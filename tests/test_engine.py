@@ -496,6 +496,55 @@ def test_a_queued_reservation_gets_blocks_freed_by_the_last_step(prompts):
     assert engine.num_free_blocks == 16
 
 
+
+def test_arrived_kv_runs_although_the_waiting_head_does_not_fit(prompts, reference):
+    """Requests whose K/V has landed run even when the prompt at the head of the waiting queue
+    cannot get its blocks. They used to queue behind it holding their blocks, so with nothing
+    running nobody ever freed any: the fault matrix's push/decode-killed case hung to the router's
+    deadline on a slow machine (5 arrived requests behind a recomputed prompt, 34 blocks free)."""
+    prefill, decode = connected(num_blocks=64), connected(num_blocks=16)
+    landed = {}
+    for i in (3, 5):                                            # 100 and 200 tokens: 4 + 7 of 16 blocks
+        prefill.add_request(f"r{i}", prompts[i], GREEDY, prefill_only=True)
+        _, done = run_until_finished(prefill, f"r{i}")
+        landed[i] = done, reserve(decode, f"r{i}", prompts[i], GREEDY, done.num_kv_tokens)
+    decode.add_request("r7", prompts[7], GREEDY)                # 300 tokens: 10 blocks, 5 are free
+    decode.step()
+    assert decode.requests["r7"].state is RequestState.WAITING
+    tokens = {}
+    for i, (done, dest) in landed.items():
+        decode.runner.kv_cache[dest] = prefill.runner.kv_cache[done.kv_block_ids]
+        assert prefill.release(f"r{i}")
+        tokens[f"r{i}"] = list(decode.kv_ready(f"r{i}", done.new_token_ids[0]).new_token_ids)
+    for _ in range(200):
+        if not decode.has_work():
+            break
+        for out in decode.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert tokens == {f"r{i}": reference[i] for i in (3, 5, 7)}
+    assert decode.num_free_blocks == decode.num_blocks
+
+
+def test_a_prompt_chunk_that_preempts_a_decode_already_scheduled(prompts, reference):
+    """Decodes are scheduled before prompt chunks and the newest request is preempted first, so a
+    chunk that needs a block can preempt a decode whose chunk is already in the step: the step must
+    drop that chunk (it once ran it with no blocks: "forward pass failed: list index out of range")."""
+    prefill, decode = connected(num_blocks=64), connected(num_blocks=5, max_num_batched_tokens=32)
+    decode.add_request("r3", prompts[3], GREEDY)                # 100 tokens in 32-token chunks: 4 blocks
+    decode.step()
+    prefill.add_request("r1", prompts[1], GREEDY, prefill_only=True)
+    _, done = run_until_finished(prefill, "r1")
+    dest = reserve(decode, "r1", prompts[1], GREEDY, done.num_kv_tokens)   # 40 tokens: 2 blocks
+    decode.runner.kv_cache[dest] = prefill.runner.kv_cache[done.kv_block_ids]
+    tokens = {"r1": list(decode.kv_ready("r1", done.new_token_ids[0]).new_token_ids)}
+    for _ in range(300):
+        if not decode.has_work():
+            break
+        for out in decode.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert decode.scheduler.num_preemptions >= 1                 # the case under test happened
+    assert tokens == {"r1": reference[1], "r3": reference[3]}
+    assert decode.num_free_blocks == decode.num_blocks
 def test_a_loop_that_can_run_nothing_sleeps(prompts, reference):
     """A waiting request for which the pool has no room (its blocks are reserved for K/V in flight)
     can only start once a message frees blocks: until then the loop must sleep, not step in a

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -178,6 +179,22 @@ def stream(url: str, request: dict) -> tuple[int, str, str | None, dict | None]:
     return 200, text, error, handoff
 
 
+def watch_queues(servers: dict[str, ServerProcess], finished: threading.Event) -> list[str]:
+    """Every 2 s until `finished`: each server's queues and free blocks (printed when a stream hung,
+    to tell a stalled engine from a lost message)."""
+    keys = ("num_running", "num_waiting", "num_waiting_for_kv", "num_free_blocks", "num_pinned_handoffs",
+            "num_quarantined", "num_preemptions")
+    started, samples = time.monotonic(), []
+    while not finished.wait(2.0):
+        for name, server in servers.items():
+            try:
+                h = server.health()
+            except httpx.HTTPError as e:
+                h = {"error": str(e)}
+            samples.append(f"{time.monotonic() - started:5.1f}s {name}: " + " ".join(f"{k[4:]}={h.get(k)}" for k in keys))
+    return samples
+
+
 def our_children() -> set[int]:
     """PIDs of this test process's live children (zombies included: a child not reaped is left behind)."""
     me, found = os.getpid(), set()
@@ -207,12 +224,23 @@ def test_fault_matrix(tmp_path, healthy, matrix_reference, mode, role, spec):
                   tmp_path / "router.log", ROUTER_READY)
     killed = spec.startswith("kill_at")
     try:
-        with ThreadPoolExecutor(MATRIX_REQUESTS) as pool:
-            results = list(pool.map(lambda i: stream(router.url, matrix_body(i)), range(MATRIX_REQUESTS)))
+        with ThreadPoolExecutor(MATRIX_REQUESTS + 1) as pool:
+            finished = threading.Event()
+            watched = pool.submit(watch_queues, healthy, finished)
+            try:
+                results = list(pool.map(lambda i: stream(router.url, matrix_body(i)), range(MATRIX_REQUESTS)))
+            finally:
+                finished.set()
         errors = []
         if any(e is not None and "request-timeout" in e for _, _, e, _ in results):
-            for name, server in healthy.items():
-                print("DEBUG", name, server.url, json.dumps(server.health()))
+            print("DEBUG the healthy workers' queues every 2 s while the streams ran:", *watched.result(), sep="\n  ")
+            print("DEBUG router log:\n" + router.text()[-6000:])
+            # What every worker logged about the handoffs that hung (their ids are in the router's log).
+            stuck = set(re.findall(r"handoff (\w+): the stream did not end", router.text()))
+            for name, server in [*healthy.items(), ("faulty", faulty)]:
+                lines = [line for line in server.log_path.read_text(errors="replace").splitlines()
+                         if any(handoff_id in line for handoff_id in stuck)]
+                print(f"DEBUG {name} log on {sorted(stuck)}:", *lines[-40:], sep="\n  ")
         for i, (status, text, error, handoff) in enumerate(results):
             if error is None:
                 assert status == 200 and text == matrix_reference[i], (i, status, text, handoff)

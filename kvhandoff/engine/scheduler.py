@@ -69,7 +69,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.cfg.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
+        scheduled: dict[str, ScheduledChunk] = {}
         preempted = False
         decoding = [r for r in self.running if r.num_target_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_target_tokens - r.num_computed_tokens > 1]
@@ -79,17 +79,24 @@ class Scheduler:
             if request.state is not RequestState.RUNNING:
                 continue                # preempted earlier in this loop to make room
             num_new = min(request.num_target_tokens - request.num_computed_tokens, budget)
-            if not self._grow(request, num_new):
+            num_preemptions = self.num_preemptions
+            grown = self._grow(request, num_new)
+            if self.num_preemptions != num_preemptions:
                 preempted = True
-                continue
-            chunks.append(ScheduledChunk(request, num_new))
-            budget -= num_new
+                # The newest requests go first, and decodes are scheduled before prompt chunks: a
+                # victim may already have its chunk in this step (it has no blocks now).
+                for victim in [rid for rid, chunk in scheduled.items() if chunk.request.state is not RequestState.RUNNING]:
+                    budget += scheduled.pop(victim).num_new_tokens
+            if grown:
+                scheduled[request.request_id] = ScheduledChunk(request, num_new)
+                budget -= num_new
+        chunks = list(scheduled.values())
         # Admit waiting requests only when nobody had to be preempted this step: otherwise the
         # preempted request would be re-admitted at once and thrash.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and self._num_seqs() < self.cfg.max_num_seqs:
             request = self.waiting[0]
-            if not request.block_table:
-                self._match_prefix(request)
+            assert not request.block_table, "a waiting request holds blocks"
+            self._match_prefix(request)
             num_new = min(request.num_target_tokens - request.num_computed_tokens, budget)
             need = self.blocks_for(request.num_computed_tokens + num_new) - len(request.block_table)
             if not self.make_room(need):
@@ -108,7 +115,7 @@ class Scheduler:
         """Blocks for queued remote-KV requests, oldest first, while the pool has room (FIFO: later
         ones wait behind the first, as waiting requests do)."""
         bs = self.pool.block_size
-        while self.waiting_remote:
+        while self.waiting_remote and self._num_seqs() < self.cfg.max_num_seqs:
             request = self.waiting_remote[0]
             num_remote = request.remote_tokens
             # Full blocks this engine holds already (its prefix cache: a conversation's retained
@@ -125,6 +132,10 @@ class Scheduler:
             self.waiting_for_kv[request.request_id] = request
             self.num_reserved += 1
             self.connector.reserved(request, len(local) * bs)
+
+    def _num_seqs(self) -> int:
+        """Sequences that run or will run as soon as their K/V lands (kv_arrived starts them)."""
+        return len(self.running) + len(self.waiting_for_kv)
 
     def _grow(self, request: Request, num_new: int) -> bool:
         """Give `request` the blocks for `num_new` more tokens, preempting newer requests if needed."""
@@ -198,8 +209,14 @@ class Scheduler:
 
     def kv_arrived(self, request: Request) -> None:
         """A WAITING_FOR_KV request's blocks now hold the K/V of its remote tokens: count them as
-        computed, publish their full blocks, and queue it (to decode, or to compute the rest of its
-        prompt). A prefix fetched for a prompt counts as cached, as a local prefix-cache hit would."""
+        computed, publish their full blocks, and run it (to decode, or to compute the rest of its
+        prompt). A prefix fetched for a prompt counts as cached, as a local prefix-cache hit would.
+
+        It joins the running requests, not the waiting queue: waiting requests hold no blocks. One
+        queued behind a head that does not fit would keep its blocks from everyone, and with nothing
+        running nothing would ever free any (the fault matrix's push/decode-killed case hung that way
+        on a slow machine: 5 requests waiting, none running, 34 of 256 blocks free, for a minute).
+        Running, it is served first and, when the pool runs out, preempted like the others."""
         assert request.state is RequestState.WAITING_FOR_KV
         num_tokens = request.remote_tokens
         assert len(request.block_table) >= self.blocks_for(num_tokens)
@@ -209,8 +226,8 @@ class Scheduler:
         self.after_step([ScheduledChunk(request, num_tokens)])
         if num_tokens < request.num_prompt_tokens:
             request.num_cached_tokens = num_tokens
-        request.state = RequestState.WAITING
-        self.waiting.append(request)
+        request.state = RequestState.RUNNING
+        self.running.append(request)
 
     def remote_lost(self, request: Request) -> list[int]:
         """The remote K/V will not come and the request will be computed here: it becomes an
