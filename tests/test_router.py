@@ -738,3 +738,14 @@ def test_ports_handed_to_children_are_outside_the_ephemeral_range():
     assert len(set(ports)) > 150            # drawn at random, not one port over and over
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", ports[0]))     # and it was free
+
+
+def test_the_router_and_the_supervisor_do_without_torch():
+    """The router and `kvhandoff up` import no torch (it costs ~2.5 s of a core at every start, and
+    `up` starts the router alongside the workers): they reach the handoff modules only for their
+    router legs."""
+    script = ("import sys, kvhandoff.serve.router.app, kvhandoff.serve.launch, kvhandoff.handoff.pull, "
+              "kvhandoff.handoff.push; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

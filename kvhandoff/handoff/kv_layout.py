@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:       # the router imports the handoff modules for their router legs: no torch there
+    import torch
 
 REGION = "kv"
 
@@ -48,5 +50,6 @@ class KVLayout:
 def block_checksums(kv_cache: torch.Tensor, block_ids: list[int]) -> list[int]:
     """CRC-32 of each block's bytes (every layer, K and V, including unused slots of a partial block:
     those travel too, so both sides agree on them). ~1.7 GB/s here, a few ms per handoff."""
+    import torch        # loaded already wherever there is a pool (see the TYPE_CHECKING import)
     flat = kv_cache.view(kv_cache.shape[0], -1)
     return [zlib.crc32(flat[b].view(torch.uint8).cpu().numpy()) for b in block_ids]

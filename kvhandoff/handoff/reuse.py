@@ -26,13 +26,16 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvhandoff.engine.block_pool import hash_chain
-from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestOutput, RetainedKV, SamplingParams
 from kvhandoff.handoff import messages as M
 from kvhandoff.handoff.config import ReuseConfig, RetentionConfig
 from kvhandoff.handoff.runtime import HandoffError, Incoming, Runtime, Side
+
+if TYPE_CHECKING:      # (the router imports this module for its router legs: no engine, no torch)
+    from kvhandoff.engine.loop import EngineLoop
 
 log = logging.getLogger("kvhandoff.handoff")
 

@@ -30,16 +30,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from kvhandoff.engine.kv_connector import KVEvents, Landed, Lost
-from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.handoff import messages as M
 from kvhandoff.handoff.config import HandoffConfig
 from kvhandoff.handoff.faults import KILL_AFTER_TOKENS, KILL_DELAY_S, wait_until
 from kvhandoff.handoff.kv_layout import KVLayout, block_checksums
 from kvhandoff.transfer.agent import TransferAgent
+
+if TYPE_CHECKING:      # (the router imports this module for its router legs: no engine, no torch)
+    from kvhandoff.engine.loop import EngineLoop
 
 log = logging.getLogger("kvhandoff.handoff")
 
