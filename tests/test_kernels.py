@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from kvhandoff.config import ModelConfig
+from kvhandoff.engine.request import Request, SamplingParams
+from kvhandoff.engine.runner import ModelRunner
+from kvhandoff.engine.scheduler import ScheduledChunk
 from kvhandoff.model import kernels
 from kvhandoff.model.llama import LlamaModel, RMSNorm, Rotary, prompt_logits
 
@@ -133,6 +136,46 @@ def test_a_packed_model_gives_the_plain_models_logits(tied):
     ids = torch.randint(0, cfg.vocab_size, (70,)).tolist()
     with torch.inference_mode():
         torch.testing.assert_close(prompt_logits(packed, ids), prompt_logits(plain, ids), rtol=1e-4, atol=1e-4)
+
+
+def decode_step_logits(model: LlamaModel, prompts: list[list[int]], block_size: int) -> torch.Tensor:
+    """Each prompt prefilled on its own (blocks handed out in a shuffled order), then one decode
+    step for all of them at once (the next token of each is its prompt's first): its logits."""
+    cfg = model.cfg
+    need = [-(-(len(p) + 1) // block_size) for p in prompts]
+    order = torch.randperm(sum(need) + 1, generator=torch.Generator().manual_seed(0)).tolist()
+    runner = ModelRunner(model, sum(need) + 1, block_size)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        request = Request(f"r{i}", prompt, SamplingParams(max_tokens=2))
+        request.block_table, order = order[:need[i]], order[need[i]:]
+        runner.run([ScheduledChunk(request, len(prompt))])
+        request.num_computed_tokens = len(prompt)
+        request.output_token_ids.append(prompt[0] % cfg.vocab_size)
+        requests.append(request)
+    return runner.run([ScheduledChunk(r, 1) for r in requests])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_fused_decode_step_gives_the_plain_models_logits(bias):
+    """decode_layer (one C call per layer) against the torch model: 5 sequences of lengths around
+    the block edges in one decode step, GQA, with and without a qkv bias (Qwen2)."""
+    cfg = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=200, num_layers=2, num_heads=6,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=512, tie_word_embeddings=True, attention_bias=bias)
+    torch.manual_seed(4)
+    plain = LlamaModel(cfg).eval()
+    if bias:
+        with torch.no_grad():
+            for layer in plain.layers:
+                layer.self_attn.qkv_proj.bias.normal_()
+    fused = LlamaModel(cfg).eval()
+    fused.load_state_dict(plain.state_dict())
+    fused.use_cpu_kernels()
+    assert fused.fused_decode is not None
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (1, 15, 16, 17, 70)]
+    torch.testing.assert_close(decode_step_logits(fused, prompts, 16), decode_step_logits(plain, prompts, 16),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_without_gcc_the_engine_falls_back_to_torch(tmp_path):

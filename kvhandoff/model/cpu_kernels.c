@@ -6,6 +6,8 @@
  *   the AMD machines seen (issue 12); this keeps up with it at 1024 rows too, so prefill uses it.
  * paged_attention: each query row attends over its sequence's blocks where they lie in the KV pool
  *   (online softmax, one block at a time), instead of gathering them into a contiguous copy.
+ * decode_layer: a whole decoder layer for a batch of decode rows in one call (norms, the four
+ *   matmuls, RoPE and the K/V store, attention, SiLU, residual adds), for decode-only steps.
  *
  * Built by kvhandoff/model/kernels.py with the system's gcc and -march=native, once per machine
  * (the build cache key includes the CPU flags); loaded with ctypes into a process that already
@@ -53,11 +55,13 @@ void gemm_packed(const float* x, long M, long K, long ldx, const float* packed, 
 }
 
 /* ---- paged attention ----------------------------------------------------------------------- */
-/* Measured on the AVX2-only EPYC (1 thread, SmolLM2, 1,024 context, in the engine): ~4.5-5 GB/s
-   from memory, where a plain read of the same chunks runs at 7-11 GB/s: the dot products (one
-   horizontal reduction per 8 keys) and the V updates cost about as much as the reads and do not
-   overlap them. Tried without a measurable gain: prefetching 2 or 4 blocks ahead; one task per
-   row over all its heads, so a block's layer is read in order. */
+/* Measured on the AVX2-only EPYC (SmolLM2's shapes, 1,024 context, the kernel alone): with the K/V
+   in cache it reads ~12 GB/s on one thread (7.3 before the V update kept several FMA chains in
+   flight); from memory 4.5-5.5 GB/s on one thread and 8-9 GB/s on two, where a plain read of the
+   same scattered 8 KB chunks runs at ~7.4 GB/s per thread. Tried without a difference measurable
+   through this machine's ~30% noise: the next block prefetched all at once rather than a few lines
+   at a time, or 2 or 4 blocks ahead; one task per row over all its heads, so that a block's layer
+   is read in order. */
 #define MAX_BLOCK 256
 
 /* e^x for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| < ln 2. */
@@ -87,11 +91,14 @@ static inline v8 reduce8(const v8* a) {
   return (v8)_mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* One (row, kv head): `G` query heads share its K/V; `DV` = head_dim / 8. */
+/* One (row, kv head): `G` query heads share its K/V; `DV` = head_dim / 8. The V update keeps
+   G * DT accumulators in flight (DT 8-float slices of the head at a time): with one per query head,
+   as at first, each was a chain of dependent FMAs one per token, and the kernel ran at the FMA's
+   latency rather than at memory speed. */
 #define ATTEND(G, DV) \
 static void attend_##G##_##DV(const float* q, float* out, const float* K0, const float* V0, long block_stride, \
                               long head_offset, long block_size, const int64_t* table, long len) { \
-  enum { D = 8 * DV }; \
+  enum { D = 8 * DV, DT0 = G <= 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1, DT = DT0 < DV ? DT0 : DV }; \
   float m[G], l[G]; \
   v8 acc[G][DV]; \
   float s[G][MAX_BLOCK + 8] __attribute__((aligned(32))); \
@@ -100,13 +107,13 @@ static void attend_##G##_##DV(const float* q, float* out, const float* K0, const
     long n = len - start < block_size ? len - start : block_size; \
     const float* K = K0 + table[blk] * block_stride + head_offset; \
     const float* V = V0 + table[blk] * block_stride + head_offset; \
-    if (start + block_size < len) { /* the next block lies pages away: hardware prefetch won't reach it */ \
-      const char* nk = (const char*)(K0 + table[blk + 1] * block_stride + head_offset); \
-      const char* nv = (const char*)(V0 + table[blk + 1] * block_stride + head_offset); \
-      for (long off = 0; off < block_size * D * 4; off += 64) { __builtin_prefetch(nk + off); __builtin_prefetch(nv + off); } \
-    } \
+    /* The next block lies pages away, where the hardware prefetcher won't go: its lines are asked \
+       for a few at a time while this block is computed, so that memory streams under the FMAs. */ \
+    const char* nk = start + block_size < len ? (const char*)(K0 + table[blk + 1] * block_stride + head_offset) : 0; \
+    const char* nv = nk ? (const char*)(V0 + table[blk + 1] * block_stride + head_offset) : 0; \
     for (long t = 0; t < n; t += 8) { \
       long w = n - t < 8 ? n - t : 8; \
+      if (nk) for (long off = t * D * 4; off < (t + 8) * D * 4; off += 64) __builtin_prefetch(nk + off); \
       for (int g = 0; g < G; g++) { \
         v8 a[8]; \
         for (int j = 0; j < 8; j++) a[j] = (v8){0}; \
@@ -117,28 +124,38 @@ static void attend_##G##_##DV(const float* q, float* out, const float* K0, const
         *(v8*)&s[g][t] = reduce8(a); \
       } \
     } \
+    long n8 = (n + 7) & ~7L; \
     for (int g = 0; g < G; g++) { \
-      float bm = s[g][0]; \
-      for (long t = 1; t < n; t++) bm = s[g][t] > bm ? s[g][t] : bm; \
-      float mn = bm > m[g] ? bm : m[g], corr = expf(m[g] - mn), sum = 0.f; \
+      for (long t = n; t < n8; t++) s[g][t] = -INFINITY; \
+      v8 top = *(v8*)&s[g][0]; \
+      for (long t = 8; t < n8; t += 8) { v8 x = *(v8*)&s[g][t]; top = (v8)_mm256_max_ps((__m256)top, (__m256)x); } \
+      float bm = top[0]; \
+      for (int j = 1; j < 8; j++) bm = top[j] > bm ? top[j] : bm; \
+      float mn = bm > m[g] ? bm : m[g], corr = expf(m[g] - mn); \
       m[g] = mn; \
-      for (long t = 0; t < n; t += 8) { \
+      v8 sum = {0}; \
+      for (long t = 0; t < n8; t += 8) { \
         v8 e = exp8(*(v8*)&s[g][t] - mn); \
         for (int j = 0; j < 8; j++) if (t + j >= n) e[j] = 0.f; \
         *(v8*)&s[g][t] = e; \
-        sum += e[0] + e[1] + e[2] + e[3] + e[4] + e[5] + e[6] + e[7]; \
+        sum += e; \
       } \
-      l[g] = l[g] * corr + sum; \
+      l[g] = l[g] * corr + (sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5] + sum[6] + sum[7]); \
       for (int d = 0; d < DV; d++) acc[g][d] *= corr; \
     } \
-    for (int d = 0; d < DV; d++) { \
-      v8 r[G]; \
-      for (int g = 0; g < G; g++) r[g] = acc[g][d]; \
+    for (int d0 = 0; d0 < DV; d0 += DT) { \
+      v8 r[G][DT]; \
+      for (int g = 0; g < G; g++) for (int i = 0; i < DT; i++) r[g][i] = acc[g][d0 + i]; \
       for (long t = 0; t < n; t++) { \
-        v8 vv = *(const v8u*)(V + t * D + 8 * d); \
-        for (int g = 0; g < G; g++) r[g] += s[g][t] * vv; \
+        if (nv && d0 == 0) for (long off = t * D * 4; off < (t + 1) * D * 4; off += 64) __builtin_prefetch(nv + off); \
+        v8 vv[DT]; \
+        for (int i = 0; i < DT; i++) vv[i] = *(const v8u*)(V + t * D + 8 * (d0 + i)); \
+        for (int g = 0; g < G; g++) { \
+          v8 p = (v8){0} + s[g][t]; \
+          for (int i = 0; i < DT; i++) r[g][i] += p * vv[i]; \
+        } \
       } \
-      for (int g = 0; g < G; g++) acc[g][d] = r[g]; \
+      for (int g = 0; g < G; g++) for (int i = 0; i < DT; i++) acc[g][d0 + i] = r[g][i]; \
     } \
   } \
   for (int g = 0; g < G; g++) { \
@@ -222,4 +239,68 @@ void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long 
       for (long i = 0; i < D; i++) { kd[i] = k[i]; vd[i] = v[i]; }
     }
   }
+}
+
+/* ---- one decoder layer for a batch of decode rows (one new token per sequence), in one call ----
+   A decode step of a small model is mostly a few dozen small operations per layer; issued from
+   Python each costs microseconds of dispatch and an allocation (about 14 ms of a 66 ms SmolLM2 step
+   on one AVX2 core, issue 12). Here the layer's norms, matmuls, RoPE, K/V store, attention, SiLU
+   and residual adds run back to back on scratch memory. The per-op path stays for prefill. */
+struct packed { const float* panels; long cols, n; const float* bias; };   /* n columns, padded to cols */
+
+struct decode_layer_weights {
+  const float *norm1, *norm2; float eps1, eps2;
+  struct packed qkv, o, gate_up, down;
+  long hidden, heads, kv_heads, head_dim, intermediate;
+  float* k_base; float* v_base; long block_stride, block_size;   /* this layer's K and V in the pool */
+};
+
+struct decode_batch {
+  long rows;
+  const float *cos_rows, *sin_rows;                 /* [rows][head_dim / 2] */
+  const int64_t *slot_block, *slot_offset;          /* where each row's new K/V goes */
+  const int64_t *block_tables; long max_blocks;     /* [rows][max_blocks] */
+  const int64_t *lens;                              /* tokens each row attends to, its own included */
+  float scale;
+  int num_threads;
+};
+
+static void linear(const float* x, long M, long K, long ldx, const struct packed* w, float* y, int threads) {
+  gemm_packed(x, M, K, ldx, w->panels, w->cols, y, w->cols, threads);
+  if (w->bias)
+    for (long r = 0; r < M; r++)
+      for (long j = 0; j < w->n; j++) y[r * w->cols + j] += w->bias[j];
+}
+
+/* Scratch: rows * (hidden + qkv.cols + heads * head_dim + o.cols + gate_up.cols + intermediate + down.cols) floats. */
+void decode_layer(const struct decode_layer_weights* L, const struct decode_batch* B, float* x, float* scratch) {
+  long T = B->rows, H = L->hidden, D = L->head_dim, q_size = L->heads * D, I = L->intermediate;
+  long group = L->heads / L->kv_heads;
+  int threads = B->num_threads;
+  float *h = scratch, *qkv = h + T * H, *att = qkv + T * L->qkv.cols, *o = att + T * q_size;
+  float *gu = o + T * L->o.cols, *act = gu + T * L->gate_up.cols, *down = act + T * I;
+
+  rms_norm(x, 0, T, H, H, 0, L->norm1, L->eps1, h);
+  linear(h, T, H, H, &L->qkv, qkv, threads);
+  rope_store_kv(qkv, T, L->qkv.cols, L->heads, L->kv_heads, D, B->cos_rows, B->sin_rows, L->k_base, L->v_base,
+                L->block_stride, L->block_size, B->slot_block, B->slot_offset);
+  for (long r = 0; r < T; r++)
+    for (long i = 0; i < q_size; i++) qkv[r * L->qkv.cols + i] *= B->scale;
+  attend_t attend = ATTENDS[group][D == 32 ? 0 : D == 64 ? 1 : 2];
+  #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (long task = 0; task < T * L->kv_heads; task++) {
+    long r = task / L->kv_heads, k = task % L->kv_heads;
+    attend(qkv + r * L->qkv.cols + k * group * D, att + r * q_size + k * group * D, L->k_base, L->v_base,
+           L->block_stride, k * L->block_size * D, L->block_size, B->block_tables + r * B->max_blocks, B->lens[r]);
+  }
+  linear(att, T, q_size, q_size, &L->o, o, threads);
+  rms_norm(x, o, T, H, H, L->o.cols, L->norm2, L->eps2, h);          /* x += o, h = norm(x) */
+  linear(h, T, H, H, &L->gate_up, gu, threads);
+  for (long r = 0; r < T; r++) {
+    const float *g = gu + r * L->gate_up.cols, *u = g + I;
+    for (long i = 0; i < I; i++) act[r * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  }
+  linear(act, T, I, I, &L->down, down, threads);
+  for (long r = 0; r < T; r++)
+    for (long i = 0; i < H; i++) x[r * H + i] += down[r * L->down.cols + i];
 }

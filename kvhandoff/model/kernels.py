@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +43,25 @@ _SIGNATURES = {
     "paged_attention_supports": [_L, _L, _L],
     "rms_norm": [_P, _P, _L, _L, _L, _L, _P, ctypes.c_float, _P],
     "rope_store_kv": [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _L, _L, _P, _P],
+    "decode_layer": [_P, _P, _P, _P],
 }
+
+
+class _Packed(ctypes.Structure):                # struct packed
+    _fields_ = [("panels", _P), ("cols", _L), ("n", _L), ("bias", _P)]
+
+
+class _LayerWeights(ctypes.Structure):          # struct decode_layer_weights
+    _fields_ = [("norm1", _P), ("norm2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed), ("down", _Packed),
+                ("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("intermediate", _L),
+                ("k_base", _P), ("v_base", _P), ("block_stride", _L), ("block_size", _L)]
+
+
+class _Batch(ctypes.Structure):                 # struct decode_batch
+    _fields_ = [("rows", _L), ("cos_rows", _P), ("sin_rows", _P), ("slot_block", _P), ("slot_offset", _P),
+                ("block_tables", _P), ("max_blocks", _L), ("lens", _P), ("scale", ctypes.c_float),
+                ("num_threads", ctypes.c_int)]
 
 
 def cpu_flags() -> frozenset[str]:
@@ -196,3 +215,83 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, r
     lib.rope_store_kv(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(),
                       sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), block_size,
                       slot_block.data_ptr(), slot_offset.data_ptr())
+
+
+@dataclass
+class DecoderWeights:
+    """What decode_layer needs of one decoder layer (the model's own tensors, not copies)."""
+    norm1: torch.Tensor
+    eps1: float
+    norm2: torch.Tensor
+    eps2: float
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+
+
+class FusedDecode:
+    """A decode-only step's layers through decode_layer of cpu_kernels.c: one C call per layer
+    instead of about twenty torch operations (norms, matmuls, RoPE and K/V store, attention, SiLU,
+    residual adds). Rows are decoding sequences, one new token each."""
+
+    def __init__(self, layers: list[DecoderWeights], heads: int, kv_heads: int, head_dim: int, scale: float):
+        self.layers, self.heads, self.kv_heads, self.head_dim, self.scale = layers, heads, kv_heads, head_dim, scale
+        first = layers[0]
+        self.hidden, self.intermediate = first.qkv.in_features, first.down.in_features
+        assert first.gate_up.out_features == 2 * self.intermediate and first.o.in_features == heads * head_dim
+        assert first.qkv.out_features == (heads + 2 * kv_heads) * head_dim
+        self._structs: list[_LayerWeights] = []
+        self._pool = None               # the pool the structs point into (data_ptr, shape)
+
+    @staticmethod
+    def supported(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+        return attention_supported(heads, kv_heads, head_dim, block_size)
+
+    def _weights_for(self, kv_cache: torch.Tensor) -> list[_LayerWeights]:
+        """The layers' C structs, pointing into `kv_cache` ([blocks, layers, 2, kv_heads, block, D])."""
+        pool = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
+        if pool == self._pool:
+            return self._structs
+        assert kv_cache.dtype == torch.float32 and kv_cache.stride()[2:] == kv_cache[0, 0].contiguous().stride()
+        block_size, item = kv_cache.shape[4], kv_cache.element_size()
+
+        def packed(linear: PackedLinear) -> _Packed:
+            bias = None if linear.bias is None else linear.bias.contiguous()
+            linear.bias = bias                          # the struct points at this tensor: keep it alive
+            return _Packed(linear.panels.data_ptr(), linear.panels.shape[0] * PANEL, linear.out_features,
+                           None if bias is None else bias.data_ptr())
+
+        structs = []
+        for index, w in enumerate(self.layers):
+            k_base = kv_cache.data_ptr() + index * kv_cache.stride(1) * item
+            structs.append(_LayerWeights(
+                w.norm1.data_ptr(), w.norm2.data_ptr(), w.eps1, w.eps2, packed(w.qkv), packed(w.o),
+                packed(w.gate_up), packed(w.down), self.hidden, self.heads, self.kv_heads, self.head_dim,
+                self.intermediate, k_base, k_base + kv_cache.stride(2) * item, kv_cache.stride(0), block_size))
+        self._structs, self._pool = structs, pool
+        return structs
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], slot_block: torch.Tensor,
+                 slot_offset: torch.Tensor, block_ids: torch.Tensor, lens: torch.Tensor, kv_cache: torch.Tensor,
+                 on_layer=None) -> torch.Tensor:
+        """x [rows, hidden] through every layer (in place); block_ids: the rows' block tables, flat
+        [rows * max_blocks]; lens: tokens each row attends to, its own included."""
+        lib = _load()[0]
+        rows = x.shape[0]
+        assert x.dtype == torch.float32 and x.is_contiguous() and lens.dtype == block_ids.dtype == torch.int64
+        cos, sin = (t.contiguous() for t in rope)
+        held = [t.contiguous() for t in (slot_block, slot_offset, block_ids, lens)]   # alive across the calls
+        batch = _Batch(rows, cos.data_ptr(), sin.data_ptr(), held[0].data_ptr(), held[1].data_ptr(),
+                       held[2].data_ptr(), block_ids.numel() // rows, held[3].data_ptr(), self.scale, _threads())
+        structs = self._weights_for(kv_cache)
+        first = structs[0]
+        width = (self.hidden + first.qkv.cols + self.heads * self.head_dim + first.o.cols + first.gate_up.cols
+                 + self.intermediate + first.down.cols)
+        scratch = torch.empty(rows * width, dtype=torch.float32)
+        batch_ref, scratch_ptr, x_ptr = ctypes.byref(batch), scratch.data_ptr(), x.data_ptr()
+        for index, weights in enumerate(structs):
+            lib.decode_layer(ctypes.byref(weights), batch_ref, x_ptr, scratch_ptr)
+            if on_layer is not None:
+                on_layer(index)
+        return x

@@ -254,6 +254,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_head: kernels.PackedLinear | None = None       # set by use_cpu_kernels
+        self.fused_decode: kernels.FusedDecode | None = None        # decode-only steps, set by use_cpu_kernels
 
     def use_cpu_kernels(self) -> None:
         """Serve through kernels.py: every linear layer's weight re-laid once for gemm_packed (the
@@ -268,6 +269,14 @@ class LlamaModel(nn.Module):
             attn.paged_kernel = layer.fused_norms = True
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_head = kernels.PackedLinear(head.detach(), None)
+        cfg = self.cfg
+        if not cfg.qk_norm:         # (q/k norms would need their own pass in decode_layer)
+            self.fused_decode = kernels.FusedDecode(
+                [kernels.DecoderWeights(layer.input_layernorm.weight.detach(), layer.input_layernorm.eps,
+                                        layer.post_attention_layernorm.weight.detach(),
+                                        layer.post_attention_layernorm.eps, layer.self_attn.qkv_proj,
+                                        layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                 for layer in self.layers], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
         if self.lm_head is None:
             self.embed_tokens = None
         self.lm_head = None
@@ -280,6 +289,11 @@ class LlamaModel(nn.Module):
         handoff sends them while later layers compute)."""
         x = self.embed(input_ids)
         rope = self.rotary.table(positions, x.dtype)
+        if self.fused_decode is not None and not meta.prefills and \
+                self.fused_decode.supported(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, kv_cache.shape[4]):
+            x = self.fused_decode(x.contiguous(), rope, meta.slot_block, meta.slot_offset, meta.decode_block_ids,
+                                  meta.decode_context_lens, kv_cache, on_layer)
+            return self.norm(x)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, kv_cache)
             if on_layer is not None:
