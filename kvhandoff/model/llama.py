@@ -167,6 +167,8 @@ class Attention(nn.Module):
         if seq.context_len == n:
             # Nothing cached before this chunk: attend over the fresh K/V, plain causal.
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+        elif _FLASH_WITH_LSE is not None and q.device.type == "cpu":
+            return self._prefill_over_cache(q, k, v, seq, k_cache, v_cache)
         else:
             # Part of the prompt is already in the pool (earlier chunk or prefix-cache hit).
             keys, values = (_gather(cache, seq.block_table, 1)[:, 0, :seq.context_len] for cache in (k_cache, v_cache))
@@ -177,6 +179,24 @@ class Attention(nn.Module):
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
             is_causal=causal, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return o.squeeze(0).transpose(0, 1)
+
+    def _prefill_over_cache(self, q, k, v, seq: PrefillSeq, k_cache, v_cache) -> torch.Tensor:
+        """A chunk after a cached prefix at the cost of its work: every query attends to the whole
+        prefix (no mask) and causally to the chunk, two flash attentions whose outputs merge by their
+        log-sum-exps. SmolLM2, 328 tokens after 1,792 cached, alternated with the dense masked path
+        (AVX2 EPYC): 2,226 against 2,394 ms on one thread, 1,294 against 1,422 on two."""
+        n = q.shape[0]
+        cached = seq.context_len - n
+        prefix = seq.block_table[:-(-cached // k_cache.shape[2])]
+        keys, values = (_gather(cache, prefix, 1)[:, 0, :cached].unsqueeze(0) for cache in (k_cache, v_cache))
+        queries = q.transpose(0, 1).unsqueeze(0)                                    # [1, heads, n, D]
+        over_prefix, lse_prefix = _FLASH_WITH_LSE(queries, keys, values, 0.0, False, scale=self.scale)[:2]
+        over_chunk, lse_chunk = _FLASH_WITH_LSE(queries, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                                0.0, True, scale=self.scale)[:2]
+        lse = torch.logaddexp(lse_prefix, lse_chunk)
+        out = (over_prefix.float() * (lse_prefix - lse).exp().unsqueeze(-1)
+               + over_chunk.float() * (lse_chunk - lse).exp().unsqueeze(-1))
+        return out.to(q.dtype).squeeze(0).transpose(0, 1)
 
     def _decode(self, q, meta: BatchMetadata, k_cache, v_cache) -> torch.Tensor:
         """One query per sequence, in torch (the reference; kernels.paged_attention reads the blocks
@@ -194,6 +214,11 @@ class Attention(nn.Module):
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads * B, group, S)
         out = torch.bmm(probs, values.view(kv_heads * B, S, D)).view(kv_heads, B, group, D)
         return out.transpose(0, 1).reshape(B, self.num_heads, D)
+
+
+# Torch's CPU flash attention, which also returns each row's log-sum-exp (GQA included); private, so
+# looked up: without it, a chunk over a cached prefix takes the dense masked path.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
