@@ -11,6 +11,10 @@ from conftest import ServerProcess
 from test_router import start_up, wait_pools_at_baseline
 
 BODY = {"prompt": "alpha bravo charlie delta", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+# Every engine step 20 ms longer, so that a request holds its slot ~1 s whatever the machine: with the
+# compiled kernels a tiny-model request took ~50 ms, a flood drained within --queue-wait-s and no
+# request was shed (a clean-clone CI run on the AVX2 EPYC).
+SLOW = ["--inject-faults", "step_ms=20"]
 
 
 def send(url: str, stream: bool) -> tuple[int, str | None, int]:
@@ -46,7 +50,7 @@ def check(results: list[tuple[int, str | None, int]]) -> None:
 
 def test_worker_sheds_load_with_429(tmp_path):
     server = ServerProcess(["--model", "tiny", "--num-blocks", "256", "--max-num-seqs", "2", "--max-in-flight", "3",
-                            "--queue-wait-s", "0.3"], tmp_path / "serve.log")
+                            "--queue-wait-s", "0.3", *SLOW], tmp_path / "serve.log")
     try:
         check(flood(server.url, 16))
         h = server.health()
@@ -61,7 +65,7 @@ def test_worker_sheds_load_with_429(tmp_path):
 
 
 def test_router_relays_backpressure(tmp_path):
-    up = start_up(tmp_path, "push", "--max-in-flight", "2", "--queue-wait-s", "0.3")
+    up = start_up(tmp_path, "push", "--max-in-flight", "2", "--queue-wait-s", "0.3", *SLOW)
     try:
         check(flood(up.url, 12))
         wait_pools_at_baseline(up.url)
