@@ -212,7 +212,11 @@ def our_children() -> set[int]:
 @pytest.mark.parametrize("mode,role,spec", KILLS + DEGRADED, ids=lambda v: str(v))
 def test_fault_matrix(tmp_path, healthy, matrix_reference, mode, role, spec):
     before = our_children()
-    faulty = ServerProcess([*COMMON, "--role", role, *FAST, "--inject-faults", spec], tmp_path / f"{role}-faulty.log")
+    # A decode worker killed mid-stream must still be streaming KILL_DELAY_S after its 4th token: with
+    # the compiled kernels a tiny-model stream of 48 tokens can end sooner than that on a fast machine.
+    longer_steps = ",step_ms=10" if spec == "kill_at=decode" else ""
+    faulty = ServerProcess([*COMMON, "--role", role, *FAST, "--inject-faults", spec + longer_steps],
+                           tmp_path / f"{role}-faulty.log")
     prefills = [faulty.url, healthy["prefill"].url] if role == "prefill" else [healthy["prefill"].url]
     decodes = [faulty.url, healthy["decode"].url] if role == "decode" else [healthy["decode"].url]
     if len(prefills) == 1:       # the other role gets a second healthy worker too: rotation has a choice
