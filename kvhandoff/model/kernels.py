@@ -244,10 +244,6 @@ class FusedDecode:
         self._structs: list[_LayerWeights] = []
         self._pool = None               # the pool the structs point into (data_ptr, shape)
 
-    @staticmethod
-    def supported(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
-        return attention_supported(heads, kv_heads, head_dim, block_size)
-
     def _weights_for(self, kv_cache: torch.Tensor) -> list[_LayerWeights]:
         """The layers' C structs, pointing into `kv_cache` ([blocks, layers, 2, kv_heads, block, D])."""
         pool = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))

@@ -315,7 +315,7 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         rope = self.rotary.table(positions, x.dtype)
         if self.fused_decode is not None and not meta.prefills and \
-                self.fused_decode.supported(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, kv_cache.shape[4]):
+                kernels.attention_supported(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, kv_cache.shape[4]):
             x = self.fused_decode(x.contiguous(), rope, meta.slot_block, meta.slot_offset, meta.decode_block_ids,
                                   meta.decode_context_lens, kv_cache, on_layer)
             return self.norm(x)
