@@ -61,7 +61,7 @@ def dense_attention(q, k_cache, v_cache, tables, row_seq, row_len, scale):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16), (4, 2, 32, 16), (8, 8, 128, 32), (14, 2, 64, 5), (4, 1, 64, 256)])
+    (9, 3, 64, 16), (4, 2, 32, 16), (8, 8, 128, 32), (14, 2, 64, 5), (4, 1, 64, 256), (20, 10, 32, 8)])
 def test_paged_attention_equals_dense(heads, kv_heads, head_dim, block_size):
     assert kernels.attention_supported(heads, kv_heads, head_dim, block_size)
     g = torch.Generator().manual_seed(heads * 100 + block_size)
@@ -81,6 +81,11 @@ def test_paged_attention_equals_dense(heads, kv_heads, head_dim, block_size):
     # row_seq None: row r is sequence r.
     first = kernels.paged_attention(q[:seqs], k_cache, v_cache, tables, None, row_len[:seqs], scale)
     torch.testing.assert_close(first, got[:seqs])
+    # One row: its heads are split over tasks (fewer rows than threads). (Six rows: a task per row, whose
+    # 10 KV heads, in the last shape, take two passes of HEADS_PER_PASS = 8 and 2.)
+    for r in (0, 3):
+        one = kernels.paged_attention(q[r:r + 1], k_cache, v_cache, tables, row_seq[r:r + 1], row_len[r:r + 1], scale)
+        torch.testing.assert_close(one, got[r:r + 1])
 
 
 def test_unsupported_shapes_are_refused():

@@ -55,16 +55,18 @@ void gemm_packed(const float* x, long M, long K, long ldx, const float* packed, 
 }
 
 /* ---- paged attention ----------------------------------------------------------------------- */
-/* Measured on the AVX2-only EPYC (SmolLM2's shapes, 1,024 context, the kernel alone): with the K/V
-   in cache it reads ~12 GB/s on one thread (7.3 before the V update kept several FMA chains in
-   flight); from memory 4.5-5.5 GB/s on one thread and 8-9 GB/s on two, where a plain read of the
-   same scattered 8 KB chunks runs at ~7.4 GB/s per thread. Tried without a difference measurable
-   through this machine's ~30% noise: the next block prefetched all at once rather than a few lines
-   at a time, or 2 or 4 blocks ahead; one task per row over all its heads, so that a block's layer
-   is read in order. */
+/* Measured on the AVX2-only EPYC (SmolLM2's shapes, 1,024 context): reading a block's layer one head
+   at a time (an 8 KB run of K, another of V, then the next block pages away) streamed at ~7.7 GB/s on
+   one thread, where the same bytes read as one 48 KB run per block streamed at ~12 GB/s and
+   software prefetches of the next block only slowed it. So a task walks its sequence's blocks and,
+   in each, all the heads it owns, K and V of one head after the other: the block's layer range is
+   read front to back. With fewer rows than threads a row's heads are split over tasks instead, so
+   one sequence still uses every thread. */
 #define MAX_BLOCK 256
+#define MAX_GROUP 8
+#define HEADS_PER_PASS 8                     /* bounds the softmax state a task keeps on its stack */
 
-/* e^x for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| < ln 2. */
+/* e^x for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| < ln 2; 0 below -87. */
 static inline v8 exp8(v8 x) {
   const v8 lo = {-87.f,-87.f,-87.f,-87.f,-87.f,-87.f,-87.f,-87.f};
   v8i below = x < lo;
@@ -80,7 +82,7 @@ static inline v8 exp8(v8 x) {
   p = p * r + 5.0000001201E-1f;
   p = p * r * r + r + 1.0f;
   v8i bits = (n + 127) << 23;
-  return p * (v8)bits;
+  return (v8)(~below & (v8i)(p * (v8)bits));      /* e^-inf (a padded score) is exactly 0 */
 }
 
 /* [sum(a[0]), ..., sum(a[7])] */
@@ -91,105 +93,140 @@ static inline v8 reduce8(const v8* a) {
   return (v8)_mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* One (row, kv head): `G` query heads share its K/V; `DV` = head_dim / 8. The V update keeps
-   G * DT accumulators in flight (DT 8-float slices of the head at a time): with one per query head,
-   as at first, each was a chain of dependent FMAs one per token, and the kernel ran at the FMA's
-   latency rather than at memory speed. */
+/* The online-softmax state of one (row, kv head): acc[G][DV] v8, then m[G], then l[G]. */
+struct attend_state { v8 acc[MAX_GROUP * 16]; float m[MAX_GROUP], l[MAX_GROUP]; };
+
+/* One block of one (row, kv head): `G` query heads share its K/V ([n][8 * DV] each, in place);
+   `DV` = head_dim / 8. The V update keeps G * DT accumulators in flight (DT 8-float slices of the
+   head at a time): with one per query head, as at first, each was a chain of dependent FMAs one per
+   token, and the kernel ran at the FMA's latency rather than at memory speed. */
 #define ATTEND(G, DV) \
-static void attend_##G##_##DV(const float* q, float* out, const float* K0, const float* V0, long block_stride, \
-                              long head_offset, long block_size, const int64_t* table, long len) { \
+static void attend_##G##_##DV(const float* q, struct attend_state* st, const float* K, const float* V, long n, \
+                              const char* next_k, const char* next_v) { \
   enum { D = 8 * DV, DT0 = G <= 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1, DT = DT0 < DV ? DT0 : DV }; \
-  float m[G], l[G]; \
-  v8 acc[G][DV]; \
   float s[G][MAX_BLOCK + 8] __attribute__((aligned(32))); \
-  for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; for (int d = 0; d < DV; d++) acc[g][d] = (v8){0}; } \
-  for (long start = 0, blk = 0; start < len; start += block_size, blk++) { \
-    long n = len - start < block_size ? len - start : block_size; \
-    const float* K = K0 + table[blk] * block_stride + head_offset; \
-    const float* V = V0 + table[blk] * block_stride + head_offset; \
-    /* The next block lies pages away, where the hardware prefetcher won't go: its lines are asked \
-       for a few at a time while this block is computed, so that memory streams under the FMAs. */ \
-    const char* nk = start + block_size < len ? (const char*)(K0 + table[blk + 1] * block_stride + head_offset) : 0; \
-    const char* nv = nk ? (const char*)(V0 + table[blk + 1] * block_stride + head_offset) : 0; \
-    for (long t = 0; t < n; t += 8) { \
-      long w = n - t < 8 ? n - t : 8; \
-      if (nk) for (long off = t * D * 4; off < (t + 8) * D * 4; off += 64) __builtin_prefetch(nk + off); \
-      for (int g = 0; g < G; g++) { \
-        v8 a[8]; \
-        for (int j = 0; j < 8; j++) a[j] = (v8){0}; \
+  v8 (*acc)[DV] = (v8 (*)[DV])st->acc; \
+  for (long t = 0; t < n; t += 8) { \
+    const float* Kt = K + t * D; \
+    long w = n - t < 8 ? n - t : 8; \
+    if (next_k) for (long off = t * D * 4; off < (t + 8) * D * 4; off += 64) __builtin_prefetch(next_k + off); \
+    for (int g = 0; g < G; g++) { \
+      v8 a[8]; \
+      for (int j = 0; j < 8; j++) a[j] = (v8){0}; \
+      if (w == 8) /* the common case, branch-free; the tail below never reads past the block */ \
         for (int d = 0; d < DV; d++) { \
           v8 qv = *(const v8u*)(q + g * D + 8 * d); \
-          for (int j = 0; j < 8; j++) if (j < w) a[j] += qv * *(const v8u*)(K + (t + j) * D + 8 * d); \
+          for (int j = 0; j < 8; j++) a[j] += qv * *(const v8u*)(Kt + j * D + 8 * d); \
         } \
-        *(v8*)&s[g][t] = reduce8(a); \
-      } \
-    } \
-    long n8 = (n + 7) & ~7L; \
-    for (int g = 0; g < G; g++) { \
-      for (long t = n; t < n8; t++) s[g][t] = -INFINITY; \
-      v8 top = *(v8*)&s[g][0]; \
-      for (long t = 8; t < n8; t += 8) { v8 x = *(v8*)&s[g][t]; top = (v8)_mm256_max_ps((__m256)top, (__m256)x); } \
-      float bm = top[0]; \
-      for (int j = 1; j < 8; j++) bm = top[j] > bm ? top[j] : bm; \
-      float mn = bm > m[g] ? bm : m[g], corr = expf(m[g] - mn); \
-      m[g] = mn; \
-      v8 sum = {0}; \
-      for (long t = 0; t < n8; t += 8) { \
-        v8 e = exp8(*(v8*)&s[g][t] - mn); \
-        for (int j = 0; j < 8; j++) if (t + j >= n) e[j] = 0.f; \
-        *(v8*)&s[g][t] = e; \
-        sum += e; \
-      } \
-      l[g] = l[g] * corr + (sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5] + sum[6] + sum[7]); \
-      for (int d = 0; d < DV; d++) acc[g][d] *= corr; \
-    } \
-    for (int d0 = 0; d0 < DV; d0 += DT) { \
-      v8 r[G][DT]; \
-      for (int g = 0; g < G; g++) for (int i = 0; i < DT; i++) r[g][i] = acc[g][d0 + i]; \
-      for (long t = 0; t < n; t++) { \
-        if (nv && d0 == 0) for (long off = t * D * 4; off < (t + 1) * D * 4; off += 64) __builtin_prefetch(nv + off); \
-        v8 vv[DT]; \
-        for (int i = 0; i < DT; i++) vv[i] = *(const v8u*)(V + t * D + 8 * (d0 + i)); \
-        for (int g = 0; g < G; g++) { \
-          v8 p = (v8){0} + s[g][t]; \
-          for (int i = 0; i < DT; i++) r[g][i] += p * vv[i]; \
-        } \
-      } \
-      for (int g = 0; g < G; g++) for (int i = 0; i < DT; i++) acc[g][d0 + i] = r[g][i]; \
+      else \
+        for (int j = 0; j < w; j++) \
+          for (int d = 0; d < DV; d++) a[j] += *(const v8u*)(q + g * D + 8 * d) * *(const v8u*)(Kt + j * D + 8 * d); \
+      *(v8*)&s[g][t] = reduce8(a); \
     } \
   } \
+  long n8 = (n + 7) & ~7L; \
   for (int g = 0; g < G; g++) { \
-    float inv = 1.f / l[g]; \
-    for (int d = 0; d < DV; d++) *(v8u*)(out + g * D + 8 * d) = acc[g][d] * inv; \
+    for (long t = n; t < n8; t++) s[g][t] = -INFINITY; \
+    v8 top = *(v8*)&s[g][0]; \
+    for (long t = 8; t < n8; t += 8) { v8 x = *(v8*)&s[g][t]; top = (v8)_mm256_max_ps((__m256)top, (__m256)x); } \
+    float bm = top[0]; \
+    for (int j = 1; j < 8; j++) bm = top[j] > bm ? top[j] : bm; \
+    float mn = bm > st->m[g] ? bm : st->m[g], corr = expf(st->m[g] - mn); \
+    st->m[g] = mn; \
+    v8 sum = {0}; \
+    for (long t = 0; t < n8; t += 8) { \
+      v8 e = exp8(*(v8*)&s[g][t] - mn); \
+      *(v8*)&s[g][t] = e; \
+      sum += e; \
+    } \
+    st->l[g] = st->l[g] * corr + (sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5] + sum[6] + sum[7]); \
+    for (int d = 0; d < DV; d++) acc[g][d] *= corr; \
+  } \
+  for (int d0 = 0; d0 < DV; d0 += DT) { \
+    v8 r[G][DT]; \
+    for (int g = 0; g < G; g++) for (int i = 0; i < DT; i++) r[g][i] = acc[g][d0 + i]; \
+    for (long t = 0; t < n; t++) { \
+      if (next_v && d0 == 0) for (long off = t * D * 4; off < (t + 1) * D * 4; off += 64) __builtin_prefetch(next_v + off); \
+      v8 vv[DT]; \
+      for (int i = 0; i < DT; i++) vv[i] = *(const v8u*)(V + t * D + 8 * (d0 + i)); \
+      for (int g = 0; g < G; g++) { \
+        v8 p = (v8)_mm256_broadcast_ss(&s[g][t]); \
+        for (int i = 0; i < DT; i++) r[g][i] += p * vv[i]; \
+      } \
+    } \
+    for (int g = 0; g < G; g++) for (int i = 0; i < DT; i++) acc[g][d0 + i] = r[g][i]; \
   } \
 }
 #define ATTEND_D(G) ATTEND(G, 4) ATTEND(G, 8) ATTEND(G, 16)
 ATTEND_D(1) ATTEND_D(2) ATTEND_D(3) ATTEND_D(4) ATTEND_D(5) ATTEND_D(6) ATTEND_D(7) ATTEND_D(8)
-typedef void (*attend_t)(const float*, float*, const float*, const float*, long, long, long, const int64_t*, long);
+typedef void (*attend_t)(const float*, struct attend_state*, const float*, const float*, long, const char*, const char*);
 #define PAIR(G) {attend_##G##_4, attend_##G##_8, attend_##G##_16}
-static const attend_t ATTENDS[9][3] = {{0, 0, 0}, PAIR(1), PAIR(2), PAIR(3), PAIR(4), PAIR(5), PAIR(6), PAIR(7), PAIR(8)};
+static const attend_t ATTENDS[MAX_GROUP + 1][3] = {{0, 0, 0}, PAIR(1), PAIR(2), PAIR(3), PAIR(4), PAIR(5), PAIR(6), PAIR(7), PAIR(8)};
 
 /* Which (group, head_dim) pairs paged_attention serves; the caller falls back to torch otherwise. */
 int paged_attention_supports(long group, long head_dim, long block_size) {
-  return group >= 1 && group <= 8 && (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size <= MAX_BLOCK;
+  return group >= 1 && group <= MAX_GROUP && (head_dim == 32 || head_dim == 64 || head_dim == 128)
+         && block_size <= MAX_BLOCK;
+}
+
+/* Query heads of kv heads [h0, h1) of one row over its `len` tokens; K of block b, kv head h at
+   k_base + table[b] * block_stride + h * block_size * D (V likewise). q, out: the row's [heads][D]. */
+static void attend_heads(attend_t attend, long group, long D, const float* q, float* out, long h0, long h1,
+                         const float* k_base, const float* v_base, long block_stride, long block_size,
+                         const int64_t* table, long len) {
+  struct attend_state st[HEADS_PER_PASS];
+  for (; h0 < h1; h0 += HEADS_PER_PASS) {
+    long hn = h1 - h0 < HEADS_PER_PASS ? h1 - h0 : HEADS_PER_PASS;
+    for (long h = 0; h < hn; h++)
+      for (long g = 0; g < group; g++) {
+        st[h].m[g] = -INFINITY; st[h].l[g] = 0.f;
+        for (long d = 0; d < D / 8; d++) st[h].acc[g * (D / 8) + d] = (v8){0};
+      }
+    for (long start = 0, blk = 0; start < len; start += block_size, blk++) {
+      long n = len - start < block_size ? len - start : block_size, base = table[blk] * block_stride;
+      long next = start + block_size < len ? table[blk + 1] * block_stride : -1;
+      for (long h = 0; h < hn; h++) {
+        long head = (h0 + h) * block_size * D;
+        attend(q + (h0 + h) * group * D, &st[h], k_base + base + head, v_base + base + head, n,
+               next < 0 ? 0 : (const char*)(k_base + next + head), next < 0 ? 0 : (const char*)(v_base + next + head));
+      }
+    }
+    for (long h = 0; h < hn; h++)
+      for (long g = 0; g < group; g++) {
+        float inv = 1.f / st[h].l[g];
+        float* o = out + ((h0 + h) * group + g) * D;
+        for (long d = 0; d < D / 8; d++) *(v8u*)(o + 8 * d) = st[h].acc[g * (D / 8) + d] * inv;
+      }
+  }
 }
 
 /* Attention of query rows over paged K/V read in place.
-   q: [rows, heads, D] (already scaled); out: same. Row r attends to the first row_len[r] tokens of
-   sequence row_seq[r] (r itself if row_seq is NULL), whose blocks are block_tables[row_seq[r] * max_blocks ...].
-   K of block b, head h starts at k_base + b * block_stride + h * block_size * D (same for V). */
+   q: [rows, heads, D] (already scaled), row stride ldq; out: [rows, heads, D], row stride ldo. Row r
+   attends to the first row_len[r] tokens of sequence row_seq[r] (r itself if row_seq is NULL), whose
+   blocks are block_tables[row_seq[r] * max_blocks ...]. */
+static void attention(const float* q, long ldq, float* out, long ldo, long rows, long heads, long kv_heads, long D,
+                      const float* k_base, const float* v_base, long block_stride, long block_size,
+                      const int64_t* block_tables, long max_blocks, const int64_t* row_seq,
+                      const int64_t* row_len, int num_threads) {
+  long group = heads / kv_heads;
+  attend_t attend = ATTENDS[group][D == 32 ? 0 : D == 64 ? 1 : 2];
+  long splits = (2L * num_threads + rows - 1) / rows;       /* tasks per row: ~2 per thread in all */
+  splits = splits < 1 ? 1 : splits > kv_heads ? kv_heads : splits;
+  #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+  for (long task = 0; task < rows * splits; task++) {
+    long r = task / splits, part = task % splits;
+    attend_heads(attend, group, D, q + r * ldq, out + r * ldo, kv_heads * part / splits, kv_heads * (part + 1) / splits,
+                 k_base, v_base, block_stride, block_size, block_tables + (row_seq ? row_seq[r] : r) * max_blocks,
+                 row_len[r]);
+  }
+}
+
 void paged_attention(const float* q, float* out, long rows, long heads, long kv_heads, long D,
                      const float* k_base, const float* v_base, long block_stride, long block_size,
                      const int64_t* block_tables, long max_blocks, const int64_t* row_seq,
                      const int64_t* row_len, int num_threads) {
-  long group = heads / kv_heads;
-  attend_t attend = ATTENDS[group][D == 32 ? 0 : D == 64 ? 1 : 2];
-  #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (long task = 0; task < rows * kv_heads; task++) {
-    long r = task / kv_heads, h = task % kv_heads;
-    attend(q + (r * heads + h * group) * D, out + (r * heads + h * group) * D, k_base, v_base, block_stride,
-           h * block_size * D, block_size, block_tables + (row_seq ? row_seq[r] : r) * max_blocks, row_len[r]);
-  }
+  attention(q, heads * D, out, heads * D, rows, heads, kv_heads, D, k_base, v_base, block_stride, block_size,
+            block_tables, max_blocks, row_seq, row_len, num_threads);
 }
 
 /* ---- the small ops around them, fused: each torch op costs microseconds of dispatch, and a decode
@@ -275,7 +312,6 @@ static void linear(const float* x, long M, long K, long ldx, const struct packed
 /* Scratch: rows * (hidden + qkv.cols + heads * head_dim + o.cols + gate_up.cols + intermediate + down.cols) floats. */
 void decode_layer(const struct decode_layer_weights* L, const struct decode_batch* B, float* x, float* scratch) {
   long T = B->rows, H = L->hidden, D = L->head_dim, q_size = L->heads * D, I = L->intermediate;
-  long group = L->heads / L->kv_heads;
   int threads = B->num_threads;
   float *h = scratch, *qkv = h + T * H, *att = qkv + T * L->qkv.cols, *o = att + T * q_size;
   float *gu = o + T * L->o.cols, *act = gu + T * L->gate_up.cols, *down = act + T * I;
@@ -286,13 +322,8 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
                 L->block_stride, L->block_size, B->slot_block, B->slot_offset);
   for (long r = 0; r < T; r++)
     for (long i = 0; i < q_size; i++) qkv[r * L->qkv.cols + i] *= B->scale;
-  attend_t attend = ATTENDS[group][D == 32 ? 0 : D == 64 ? 1 : 2];
-  #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (long task = 0; task < T * L->kv_heads; task++) {
-    long r = task / L->kv_heads, k = task % L->kv_heads;
-    attend(qkv + r * L->qkv.cols + k * group * D, att + r * q_size + k * group * D, L->k_base, L->v_base,
-           L->block_stride, k * L->block_size * D, L->block_size, B->block_tables + r * B->max_blocks, B->lens[r]);
-  }
+  attention(qkv, L->qkv.cols, att, q_size, T, L->heads, L->kv_heads, D, L->k_base, L->v_base, L->block_stride,
+            L->block_size, B->block_tables, B->max_blocks, 0, B->lens, threads);
   linear(att, T, q_size, q_size, &L->o, o, threads);
   rms_norm(x, o, T, H, H, L->o.cols, L->norm2, L->eps2, h);          /* x += o, h = norm(x) */
   linear(h, T, H, H, &L->gate_up, gu, threads);
