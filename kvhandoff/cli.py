@@ -20,6 +20,23 @@ from kvhandoff.handoff import modes
 from kvhandoff.handoff.modes import COLOCATED, Mode
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# The router's policies (kvhandoff/serve/router/policies.py; spelled out here so that `--help` need
+# not import the router's web stack; a test keeps them equal).
+DECODE_POLICIES = ("fewest-in-flight", "round-robin", "load")
+PREFILL_POLICIES = ("fewest-in-flight", "cache-aware")
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--decode-policy", default=DECODE_POLICIES[0], choices=DECODE_POLICIES,
+                   help="how the router picks a decode worker: fewest-in-flight (this router's requests on it), "
+                        "round-robin, or load (its reported step time x the sequences it will step with); "
+                        "docs in kvhandoff/serve/router/policies.py (default: %(default)s)")
+    p.add_argument("--prefill-policy", default=PREFILL_POLICIES[0], choices=PREFILL_POLICIES,
+                   help="how the router picks a prefill worker: fewest-in-flight, or cache-aware (the longest "
+                        "prefix it should have cached, weighed against its queued tokens) (default: %(default)s)")
+    p.add_argument("--disagg-min-tokens", type=int, default=0, metavar="N",
+                   help="selective disaggregation: a prompt with fewer than N tokens uncached on the best prefill "
+                        "worker is computed on a decode worker, with no handoff (default: %(default)s = never)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -209,7 +226,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         config = RouterConfig(prefill_urls=parse_urls(args.prefill), decode_urls=parse_urls(args.decode),
                               mode=args.mode, secret=secret, request_timeout=args.request_timeout,
                               health_interval=args.health_interval, retry_colocated=args.retry_colocated,
-                              bidirectional=args.bidirectional)
+                              bidirectional=args.bidirectional, decode_policy=args.decode_policy,
+                              prefill_policy=args.prefill_policy, disagg_min_tokens=args.disagg_min_tokens)
     except ValueError as e:
         raise SystemExit(f"kvhandoff router: {e}")
     app = build_router_app(config)
@@ -262,15 +280,58 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvhandoff up: passing {' '.join(args.extra)} to every worker", flush=True)
     try:
         router_args = (["--retry-colocated"] if args.retry_colocated else []) + \
-                      (["--bidirectional"] if args.bidirectional else [])
+                      (["--bidirectional"] if args.bidirectional else []) + \
+                      ["--decode-policy", args.decode_policy, "--prefill-policy", args.prefill_policy,
+                       "--disagg-min-tokens", str(args.disagg_min_tokens)]
         cfg = LaunchConfig(mode=args.mode, worker_args=worker_args, router_args=router_args,
                            prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),
                            num_prefill=args.prefill, num_decode=args.decode,
                            host=args.host, port=args.port, threads=args.threads, cores=args.cores,
-                           log_level=args.log_level, startup_timeout=args.startup_timeout)
+                           log_level=args.log_level, startup_timeout=args.startup_timeout,
+                           max_restarts=args.max_restarts, child_args=parse_child_args(args.worker_args))
     except ValueError as e:
         raise SystemExit(f"kvhandoff up: {e}") from None
     return run(cfg)
+
+
+def parse_child_args(specs: list[str]) -> dict[str, list[str]]:
+    """--worker-args decode-1="--inject-faults step_ms=50" (repeatable) -> {"decode-1": [...]}."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--worker-args {spec!r}: expected NAME=FLAGS, e.g. decode-1=--no-prefix-caching")
+        out.setdefault(name.strip(), []).extend(shlex.split(flags))
+    return out
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    """List, add or remove a router's workers at run time (its /admin/workers, with the deployment
+    secret from $KVHANDOFF_SECRET or --kv-secret). A removed worker is drained: it finishes what it
+    has and gets nothing new."""
+    import httpx
+
+    from kvhandoff.serve.auth import SECRET_ENV, control_headers, resolve_secret
+
+    secret = resolve_secret(args.kv_secret)
+    if not secret:
+        raise SystemExit(f"kvhandoff workers: no deployment secret; set {SECRET_ENV} (or --kv-secret)")
+    url, headers = args.router.rstrip("/").removesuffix("/v1") + "/admin/workers", control_headers(secret)
+    try:
+        if args.action == "list":
+            resp = httpx.get(url, headers=headers, timeout=10)
+        elif args.action == "add":
+            if not args.role or not args.url:
+                raise SystemExit("kvhandoff workers add: needs --role and --url")
+            resp = httpx.post(url, headers=headers, json={"role": args.role, "url": args.url}, timeout=30)
+        else:
+            if not args.url:
+                raise SystemExit("kvhandoff workers remove: needs --url")
+            resp = httpx.delete(url, headers=headers, params={"url": args.url}, timeout=10)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"kvhandoff workers: {url}: {e}") from None
+    print(resp.text)
+    return 0 if resp.status_code == 200 else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -389,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-turn reuse: remember where each conversation's KV is kept (X-Session-Id header, "
                         "session_id field, or prompt block-hash match) and have the next turn's prefill read it "
                         "back; the workers need --bidirectional too")
+    add_policy_args(p)
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_router)
 
@@ -411,9 +473,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cores", type=parse_cores, default=None, metavar="LIST",
                    help="cores to share out among the workers, e.g. 0 or 0-3 or 0,2 (default: all this process "
                         "may use)")
+    p.add_argument("--worker-args", action="append", default=[], metavar="NAME=FLAGS",
+                   help="flags for one worker (prefill-0, decode-1, ...; worker when colocated), repeatable, "
+                        "e.g. --worker-args 'decode-1=--inject-faults step_ms=50'")
+    add_policy_args(p)
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="a worker that dies is restarted (backoff 1, 2, 4 ... 30 s); one that dies more often "
+                        "than this within 300 s is given up, and the others keep serving (default: %(default)s)")
     add_engine_args(p)
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("workers", help="list, add or remove a running router's workers",
+                       description=cmd_workers.__doc__)
+    p.add_argument("action", choices=["list", "add", "remove"])
+    p.add_argument("--router", default="http://127.0.0.1:8000", help="the router's URL (default: %(default)s)")
+    p.add_argument("--role", choices=["prefill", "decode"], help="add: the new worker's role")
+    p.add_argument("--url", help="add/remove: the worker's base URL, e.g. http://127.0.0.1:8101")
+    p.add_argument("--kv-secret", default=None, help="the deployment secret (prefer $KVHANDOFF_SECRET)")
+    p.set_defaults(func=cmd_workers)
 
     p = sub.add_parser("bench", help="measure TTFT/TPOT/goodput of an endpoint or of our stacks under a workload",
                        description=cmd_bench.__doc__)
@@ -492,6 +570,8 @@ def _exit_on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvhandoff.serve.lifeline import hold
+    hold()                                   # a child of `kvhandoff up`: stop when it dies
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "up":       # only `up` passes flags it does not know on (to workers)

@@ -18,7 +18,8 @@ from typing import Callable, Iterable
 import httpx
 
 from kvhandoff.bench.meta import log
-from kvhandoff.serve.launch import die_with_parent, free_port
+from kvhandoff.serve.launch import free_port
+from kvhandoff.serve.lifeline import child_env
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Stack:
         with open(self.log_path, "wb") as log:
             # If the benchmark dies, however it dies, the kernel tells `up` to stop its stack.
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=die_with_parent)
+                                         env=child_env(dict(os.environ)))
 
     def wait_ready(self, timeout: float = 900.0) -> None:
         deadline = time.monotonic() + timeout

@@ -52,6 +52,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
         self.step_delay_s = 0.0         # tests only (--inject-faults step_ms): every step takes this much longer
+        self.step_ms: float | None = None   # how long steps take lately (EWMA), for load-aware routing
 
     def start(self) -> None:
         self._thread.start()
@@ -101,9 +102,16 @@ class EngineLoop:
         return request_id in self.engine.requests or request_id in queued
 
     def stats(self) -> dict:
+        """What /health reports; racy reads of the engine thread's state (for monitoring and routing)."""
         engine, scheduler = self.engine, self.engine.scheduler
         retained = engine.holds.of(Hold.RETAINED)
-        return {"num_free_blocks": engine.num_free_blocks, "num_blocks": engine.num_blocks,
+        live = list(engine.requests.values())        # one C-level copy: safe while the engine thread runs
+        return {"num_tokens_to_generate": sum(max(0, r.params.max_tokens - len(r.output_token_ids)) for r in live
+                                              if not r.prefill_only),
+                "num_tokens_to_prefill": sum(max(0, r.num_prompt_tokens - max(r.num_computed_tokens, r.remote_tokens))
+                                             for r in live),
+                "step_ms": None if self.step_ms is None else round(self.step_ms, 3),
+                "num_free_blocks": engine.num_free_blocks, "num_blocks": engine.num_blocks,
                 "block_size": engine.block_size, "num_running": len(scheduler.running),
                 "num_waiting": len(scheduler.waiting) + len(scheduler.waiting_remote),
                 "num_waiting_for_kv": len(scheduler.waiting_for_kv),
@@ -143,10 +151,14 @@ class EngineLoop:
                 inbox, self._inbox = self._inbox, []
             outputs = [out for item in inbox if (out := self._apply(item)) is not None]
             if self.engine.has_work():
+                started, forward_s = time.perf_counter(), self.engine.forward_s
                 outputs += self.engine.step()
                 self.num_steps += 1
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)
+                if self.engine.forward_s != forward_s:          # a step that ran the model
+                    ms = (time.perf_counter() - started) * 1e3
+                    self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms
             self._deliver(outputs)
         # Shutdown: end everything still in flight so callers are not left waiting.
         self._deliver([out for rid in list(self.engine.requests) if (out := self.engine.abort(rid))])

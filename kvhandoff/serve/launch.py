@@ -1,10 +1,14 @@
 """`kvhandoff up`: a whole deployment on this machine in one command.
 
 Starts the workers (`kvhandoff serve --role prefill|decode`) and the router (`kvhandoff router`) as
-child processes sharing a freshly generated secret (passed in the environment, never on a command
-line that `ps` shows), waits until every /health answers, prints the URL, and watches them: if a child
-dies the others are stopped and the launcher exits non-zero naming it. Ctrl-C or SIGTERM stops them
-all (router first, so no new work arrives), SIGKILL after a grace period.
+child processes sharing one secret ($KVHANDOFF_SECRET, else a freshly generated one; passed in the
+environment, never on a command line that `ps` shows), waits until every /health answers, prints
+the URL, and supervises them: a worker that dies is restarted on its own port and cores after a
+backoff (1, 2, 4 ... 30 s), and the router's health poll takes it back into rotation when it
+answers again, while the others keep serving. A worker that dies `max_restarts` times within `restart_window` seconds is given up (a
+crash loop: a bad flag, a model that does not load); the stack stops only when a role has no worker
+left, when the router dies, or on Ctrl-C or SIGTERM (router first, so no new work arrives; SIGKILL
+after a grace period).
 
 Colocated mode runs one plain worker that serves the front port itself, with no router in front: the
 baseline disaggregation is measured against is the plain server, not the plain server plus a hop.
@@ -17,7 +21,6 @@ is pinned to all of them (`--cores 0`: colocated on one core, the baseline a 1+1
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import secrets
@@ -33,7 +36,9 @@ import httpx
 
 from kvhandoff.handoff.modes import COLOCATED, STACK_MODES
 from kvhandoff.serve.auth import SECRET_ENV
+from kvhandoff.serve.lifeline import child_env
 
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # before the 1st, 2nd, ... restart within the window
 
 
 @dataclass
@@ -52,15 +57,31 @@ class LaunchConfig:
     log_level: str = "info"
     startup_timeout: float = 600.0   # loading a real model on a busy CPU takes a while
     stop_timeout: float = 15.0
+    max_restarts: int = 5            # a worker dying this often within restart_window is given up
+    restart_window: float = 300.0
+    child_args: dict[str, list[str]] = field(default_factory=dict)  # flags for one child: {"decode-1": [...]}
 
     def __post_init__(self):
         assert self.mode in STACK_MODES, f"mode must be one of {STACK_MODES}"
         assert self.num_prefill >= 1 and self.num_decode >= 1, "at least one prefill and one decode worker"
+        names = worker_names(self)
+        unknown = sorted(set(self.child_args) - set(names))
+        if unknown:
+            raise ValueError(f"--worker-args names {', '.join(unknown)}, but this stack's workers are "
+                             f"{', '.join(names)}")
+        if self.max_restarts < 0 or self.restart_window <= 0:
+            raise ValueError("--max-restarts must be >= 0 and the restart window > 0")
         if self.cores is not None:
             allowed = os.sched_getaffinity(0)
             if not self.cores or not set(self.cores) <= allowed:
                 raise ValueError(f"--cores {self.cores} is not a subset of the cores this process may use "
                                  f"({','.join(map(str, sorted(allowed)))})")
+
+
+def worker_names(cfg: LaunchConfig) -> list[str]:
+    if cfg.mode == COLOCATED:
+        return ["worker"]
+    return [f"prefill-{i}" for i in range(cfg.num_prefill)] + [f"decode-{i}" for i in range(cfg.num_decode)]
 
 
 @dataclass
@@ -71,6 +92,14 @@ class Child:
     cores: list[int] | None = None
     proc: subprocess.Popen | None = None
     reader: threading.Thread | None = field(default=None, repr=False)
+    ready: bool = False              # its /health answered 200 since it was last started
+    deaths: list[float] = field(default_factory=list)   # monotonic times it died, within the window
+    restart_at: float | None = None  # dead, to be started again then
+    given_up: bool = False
+
+    @property
+    def role(self) -> str:
+        return self.name.split("-")[0]
 
     def describe(self) -> str:
         pid = self.proc.pid if self.proc else "-"
@@ -82,6 +111,10 @@ class ChildDied(Exception):
     def __init__(self, child: Child):
         super().__init__(f"{child.describe()} exited with status {child.proc.returncode}")
         self.child = child
+
+
+class StackDown(Exception):
+    """No worker of a role is left (every one given up): nothing can be served."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -130,9 +163,10 @@ def plan(cfg: LaunchConfig) -> list[Child]:
     if cfg.mode == COLOCATED:
         threads = cfg.threads or len(cores)
         return [Child("worker", kvhandoff_cmd("serve", "--host", cfg.host, "--port", str(port), *common,
-                                              *cfg.worker_args, "--threads", str(threads)),
+                                              *cfg.worker_args, *cfg.child_args.get("worker", []),
+                                              "--threads", str(threads)),
                       f"http://{host_in_url}:{port}", cores)]
-    names = [f"prefill-{i}" for i in range(cfg.num_prefill)] + [f"decode-{i}" for i in range(cfg.num_decode)]
+    names = worker_names(cfg)
     shares = core_shares(cores, len(names))
     children = []
     for i, name in enumerate(names):
@@ -143,7 +177,7 @@ def plan(cfg: LaunchConfig) -> list[Child]:
         role = name.split("-")[0]
         own = cfg.prefill_args if role == "prefill" else cfg.decode_args
         cmd = kvhandoff_cmd("serve", "--role", role, "--host", "127.0.0.1", "--port", str(wport),
-                            *common, *cfg.worker_args, *own, "--threads", str(threads))
+                            *common, *cfg.worker_args, *own, *cfg.child_args.get(name, []), "--threads", str(threads))
         children.append(Child(name, cmd, f"http://127.0.0.1:{wport}", share))
     urls = lambda role: ",".join(c.url for c in children if c.name.startswith(role))
     children.append(Child("router", kvhandoff_cmd("router", "--prefill", urls("prefill"), "--decode", urls("decode"),
@@ -153,58 +187,102 @@ def plan(cfg: LaunchConfig) -> list[Child]:
     return children
 
 
-def die_with_parent() -> None:
-    """preexec_fn: the kernel sends the child SIGTERM if the launcher dies without cleaning up (SIGKILL)."""
-    PR_SET_PDEATHSIG = 1
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)   # loaded before any fork: preexec_fn must not import
-
-
-def start(children: list[Child], env: dict[str, str]) -> None:
-    # Every child starts before any output thread exists: preexec_fn is only safe without other threads.
-    for child in children:
-        child.proc = subprocess.Popen(child.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,  # Ctrl-C is ours to pass on
-                                      preexec_fn=die_with_parent)
-        if child.cores:
-            # Right after spawn, long before the child imports torch, so every thread it makes inherits it.
+def spawn(child: Child, env: dict[str, str]) -> None:
+    """Start (or start again) one child, with a thread that forwards its output."""
+    child.proc = subprocess.Popen(child.cmd, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)   # Ctrl-C is ours to pass on
+    if child.cores:
+        # Right after spawn, long before the child imports torch, so every thread it makes inherits it.
+        try:
             os.sched_setaffinity(child.proc.pid, child.cores)
-    for child in children:
-        child.reader = threading.Thread(target=forward_output, args=(child,), daemon=True, name=f"out-{child.name}")
-        child.reader.start()
+        except ProcessLookupError:      # died at once; the supervisor will see it
+            pass
+    child.ready, child.restart_at = False, None
+    child.reader = threading.Thread(target=forward_output, args=(child,), daemon=True, name=f"out-{child.name}")
+    child.reader.start()
 
 
 def forward_output(child: Child) -> None:
     """Copy a child's output to ours, each line prefixed with its name."""
     prefix = f"[{child.name}] ".encode()
-    for line in iter(child.proc.stdout.readline, b""):
+    proc = child.proc                   # this run's: a restart gives the child a new one and a new reader
+    for line in iter(proc.stdout.readline, b""):
         sys.stdout.buffer.write(prefix + line)
         sys.stdout.buffer.flush()
 
 
-def check_alive(children: list[Child]) -> None:
+def on_death(child: Child, cfg: LaunchConfig, now: float) -> None:
+    """A worker died: restart it after a backoff, or give it up if it keeps dying."""
+    status = child.proc.returncode
+    child.deaths = [t for t in child.deaths if now - t < cfg.restart_window] + [now]
+    if len(child.deaths) > cfg.max_restarts:
+        child.given_up = True
+        print(f"kvhandoff up: {child.describe()} exited with status {status}, {len(child.deaths)} times within "
+              f"{cfg.restart_window:g} s; giving up on it (its output is above, prefixed [{child.name}]); "
+              "the others keep serving", flush=True)
+        return
+    delay = BACKOFF_S[min(len(child.deaths), len(BACKOFF_S)) - 1]
+    child.restart_at = now + delay
+    print(f"kvhandoff up: {child.describe()} exited with status {status}; restarting it in {delay:g} s "
+          f"(restart {len(child.deaths)} of at most {cfg.max_restarts} within {cfg.restart_window:g} s); "
+          "the others keep serving", flush=True)
+
+
+def reap(children: list[Child], cfg: LaunchConfig, now: float) -> None:
+    """Notice dead children. The router's death ends the stack; a worker's does not."""
     for child in children:
-        if child.proc.poll() is not None:
+        if child.given_up or child.restart_at is not None or child.proc.poll() is None:
+            continue
+        if child.name == "router":
             raise ChildDied(child)
+        on_death(child, cfg, now)
+    for role in {c.role for c in children if c.name != "router"}:
+        if all(c.given_up for c in children if c.role == role):
+            raise StackDown(f"every {'' if role == 'worker' else role + ' '}worker has been given up; "
+                            "nothing can be served")
 
 
-def wait_ready(children: list[Child], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    pending = list(children)
+def poll_ready(children: list[Child], client: httpx.Client) -> list[Child]:
+    """Children whose /health answered 200 for the first time since they were (re)started."""
+    became = []
+    for child in children:
+        if child.ready or child.given_up or child.restart_at is not None or child.proc.poll() is not None:
+            continue
+        try:
+            if client.get(child.url + "/health").status_code == 200:
+                child.ready = True
+                became.append(child)
+        except httpx.HTTPError:
+            pass
+    return became
+
+
+def supervise(children: list[Child], cfg: LaunchConfig, env: dict[str, str]) -> None:
+    """Until the stack must stop: restart dead workers, say when the stack (or a worker) serves."""
+    deadline = time.monotonic() + cfg.startup_timeout
+    serving = False
     with httpx.Client(timeout=2.0) as client:
-        while pending:
-            check_alive(children)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not healthy after {timeout:.0f} s: {', '.join(c.describe() for c in pending)}")
-            for child in list(pending):
-                try:
-                    if client.get(child.url + "/health").status_code == 200:
-                        pending.remove(child)
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.25)
+        while True:
+            now = time.monotonic()
+            reap(children, cfg, now)
+            for child in children:
+                if child.restart_at is not None and now >= child.restart_at:
+                    spawn(child, env)
+                    print(f"kvhandoff up: restarted {child.describe()}", flush=True)
+            for child in poll_ready(children, client):
+                if serving:
+                    print(f"kvhandoff up: {child.describe()} is serving again", flush=True)
+            if not serving:
+                if all(c.ready or c.given_up for c in children):
+                    serving = True
+                    front = children[-1].url
+                    print(f"kvhandoff: serving '{served_name(front)}' at {front}/v1 (mode {cfg.mode}; health "
+                          f"{front}/health, metrics {front}/metrics; Ctrl-C stops everything)", flush=True)
+                elif now > deadline:
+                    pending = [c for c in children if not (c.ready or c.given_up)]
+                    raise TimeoutError(f"not healthy after {cfg.startup_timeout:.0f} s: "
+                                       f"{', '.join(c.describe() for c in pending)}")
+            time.sleep(0.25 if not serving else 0.5)
 
 
 def served_name(url: str) -> str:
@@ -237,23 +315,18 @@ def stop(children: list[Child], timeout: float) -> None:
 
 def run(cfg: LaunchConfig) -> int:
     children = plan(cfg)
-    env = {**os.environ, SECRET_ENV: secrets.token_hex(32), "PYTHONUNBUFFERED": "1"}
+    # $KVHANDOFF_SECRET if set, so workers started by hand can join later (`kvhandoff workers add`).
+    env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(32), "PYTHONUNBUFFERED": "1"}
     try:
-        start(children, env)
         for child in children:
+            spawn(child, env)
             print(f"kvhandoff up: started {child.describe()}", flush=True)
-        wait_ready(children, cfg.startup_timeout)
-        front = children[-1].url
-        print(f"kvhandoff: serving '{served_name(front)}' at {front}/v1 (mode {cfg.mode}; health {front}/health, "
-              f"metrics {front}/metrics; Ctrl-C stops everything)", flush=True)
-        while True:
-            check_alive(children)
-            time.sleep(0.5)
+        supervise(children, cfg, env)
     except ChildDied as e:
         print(f"kvhandoff up: {e}; stopping the others (its output is above, prefixed [{e.child.name}])",
               flush=True)
         return 1
-    except TimeoutError as e:
+    except (TimeoutError, StackDown) as e:
         print(f"kvhandoff up: {e}; stopping everything", flush=True)
         return 1
     finally:

@@ -239,8 +239,8 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
 
     @app.post("/kv/prompt")
     async def kv_prompt(request: Request):
-        """Bidirectional: the block hashes a request's prompt has here, so the router can find a
-        conversation's retained KV for a client that names no session."""
+        """The block hashes a request's prompt has here: the router finds a conversation's retained KV
+        by them (bidirectional, a client that names no session) and estimates prefix-cache hits."""
         query = await control_message(request, secret, M.PromptQuery, "/kv/prompt")
         chat = query.endpoint == CHAT
         try:
@@ -249,4 +249,4 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
             raise P.APIError(400, f"not a valid request: {exc.errors()[0].get('msg')}") from None
         ids = server.chat_prompt(parsed) if chat else server.completion_prompt(parsed)
         hashes = hash_chain(ids, handoff.rt.block_size)
-        return {"num_tokens": len(ids), "block_hashes": [h.hex() for h in hashes]}
+        return {"num_tokens": len(ids), "block_size": handoff.rt.block_size, "block_hashes": [h.hex() for h in hashes]}

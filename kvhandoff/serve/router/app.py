@@ -26,9 +26,12 @@ from kvhandoff.handoff.modes import Mode
 from kvhandoff.serve import protocol as P
 from kvhandoff.serve.auth import control_headers
 from kvhandoff.serve.metrics import CONTENT_TYPE, LATENCY_BUCKETS
+from kvhandoff.serve.router import admin
 from kvhandoff.serve.router.attempt import Attempt, Phase, rewrite_final
 from kvhandoff.serve.router.errors import Relay, deadline_error, describe
+from kvhandoff.serve.router.policies import DecodePolicy, PrefillPolicy, uncached_tokens
 from kvhandoff.serve.router.pool import Worker, WorkerPool
+from kvhandoff.serve.router.prefix import prompt_facts
 from kvhandoff.serve.router.relay import relay_events
 from kvhandoff.serve.router.retry import retry_elsewhere
 from kvhandoff.serve.router.sessions import Sessions
@@ -55,11 +58,19 @@ class RouterConfig:
     # Bidirectional reuse: decode workers keep each finished turn's KV, this router remembers where
     # (sessions.py), and the next turn's prefill reads it back instead of recomputing the history.
     bidirectional: bool = False
+    decode_policy: DecodePolicy = DecodePolicy.FEWEST     # policies.py
+    prefill_policy: PrefillPolicy = PrefillPolicy.FEWEST
+    # Selective disaggregation: a prompt with fewer uncached tokens than this is computed colocated on a
+    # decode worker, with no handoff (0 = every request is disaggregated).
+    disagg_min_tokens: int = 0
 
     def __post_init__(self):
         self.mode = Mode.parse(self.mode) if not isinstance(self.mode, Mode) else self.mode
+        self.decode_policy, self.prefill_policy = DecodePolicy(self.decode_policy), PrefillPolicy(self.prefill_policy)
         assert self.prefill_urls and self.decode_urls, "the router needs a prefill and a decode worker"
         assert self.secret, "the router needs the deployment secret to talk to its workers"
+        if self.disagg_min_tokens < 0:
+            raise ValueError("--disagg-min-tokens must be >= 0")
 
 
 class RouterMetrics:
@@ -102,7 +113,8 @@ class Router:
         self.config, self.mode = config, config.mode
         self.metrics = RouterMetrics()
         self.pool = WorkerPool(config.prefill_urls, config.decode_urls,
-                               on_change=lambda w: self.metrics.in_flight.labels(w.role, w.url).set(w.in_flight))
+                               on_change=lambda w: self.metrics.in_flight.labels(w.role, w.url).set(w.in_flight),
+                               decode_policy=config.decode_policy, prefill_policy=config.prefill_policy)
         self.leg = pull.route if self.mode.is_pull else push.route
         self.auth = control_headers(config.secret)
         self.client: httpx.AsyncClient | None = None
@@ -181,13 +193,16 @@ class Router:
         """The client's response: a stream relayed from the decode worker, or its whole JSON answer."""
         if self.config.bidirectional:
             attempt.candidate = await self.sessions.find(attempt)
+        if self.config.prefill_policy is PrefillPolicy.CACHE or self.config.disagg_min_tokens:
+            attempt.facts = await prompt_facts(self, attempt)
+        leg = self.colocated_leg if self.short(attempt) else self.leg
         while True:
             try:
-                resp = await self.leg(attempt)
+                resp = await leg(attempt)
                 if attempt.stream:
                     # finish() awaits (closing upstream), and SSEResponse calls on_close synchronously once
                     # the response is over, outside the cancel scope Starlette ends a stream with: a task.
-                    return SSEResponse(relay_events(attempt, resp, self.leg),
+                    return SSEResponse(relay_events(attempt, resp, leg),
                                        on_close=lambda: self.spawn(self.finish(attempt)))
                 data = await attempt.read_json(attempt.decode, resp)
                 break
@@ -201,6 +216,20 @@ class Router:
         elif isinstance(data.get("handoff"), dict):
             rewrite_final(attempt, data, await attempt.merge(data["handoff"]))
         return JSONResponse(data)
+
+    def short(self, attempt: Attempt) -> bool:
+        """Selective disaggregation: too few tokens to compute for a handoff to pay. Not for a turn
+        whose history a decode worker retains (its prefill would read it back: bidirectional reuse)."""
+        facts, threshold = attempt.facts, self.config.disagg_min_tokens
+        if not threshold or facts is None or attempt.candidate is not None:
+            return False
+        uncached = min(uncached_tokens(w, facts, self.pool.prefix) for w in self.pool.prefills if not w.draining)
+        return uncached < threshold
+
+    async def colocated_leg(self, attempt: Attempt):
+        facts = attempt.facts
+        return await attempt.run_colocated(f"short prompt ({facts.num_tokens} tokens, fewer than "
+                                           f"--disagg-min-tokens {self.config.disagg_min_tokens} uncached)", "colocated")
 
     def outcome(self, attempt: Attempt, work: asyncio.Task, client_gone: bool) -> Response:
         if work.cancelled():
@@ -244,6 +273,8 @@ class Router:
         reports = await self.pool.check_all(self.client, self.auth)
         missing = self.pool.missing_roles()
         body = {"status": "error" if missing else "ok", "role": "router", "mode": self.mode.value,
+                "decode_policy": self.config.decode_policy.value, "prefill_policy": self.config.prefill_policy.value,
+                "disagg_min_tokens": self.config.disagg_min_tokens,
                 "num_in_flight": self.num_in_flight, "workers": reports}
         if missing:
             body["error"] = f"no healthy {' or '.join(missing)} worker"
@@ -327,6 +358,8 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         return await router.health()
+
+    admin.install(app, router)
 
     @app.get("/metrics")
     async def metrics():

@@ -28,6 +28,7 @@ from kvhandoff.handoff import messages as M
 from kvhandoff.serve.router.errors import (Relay, WorkerFailure, error_json, failure_message, refused, status_of,
                                            task_outcome, worker_failure)
 from kvhandoff.serve.router.pool import Worker
+from kvhandoff.serve.router.prefix import PromptFacts
 from kvhandoff.serve.router.sessions import SessionEntry
 
 log = logging.getLogger("kvhandoff.router")
@@ -69,6 +70,7 @@ class Attempt:
     attempts: int = 1                             # 2 after a retry on other workers
     excluded: set[str] = field(default_factory=set)   # workers that failed this request
     retry_reason: str | None = None               # why the first attempt was given up
+    facts: PromptFacts | None = None              # the prompt's tokens and block hashes (cache-aware, selective)
     # this attempt's
     prefill: Worker | None = None
     decode: Worker | None = None
@@ -77,7 +79,8 @@ class Attempt:
     upstream: list[httpx.Response] = field(default_factory=list)
     open_legs: set[str] = field(default_factory=set)      # roles sent a request whose answer we lack
     holding: list[Worker] = field(default_factory=list)   # in_flight counted on these
-    retried: str | None = None                    # why the request was retried colocated on the decode worker
+    retried: str | None = None                    # why the request was computed colocated on the decode worker
+    kv_source: str = "retried_colocated"          # ... after a failed prefill, or "colocated" (selective)
     merged: dict | None = None                    # the client's handoff object, once merged
 
     @property
@@ -111,12 +114,12 @@ class Attempt:
         self.handoff_id = uuid.uuid4().hex
         self.prefill = self.decode = self.prefill_task = self.remote = self.merged = None
         self.upstream, self.open_legs, self.holding = [], set(), []
-        self.retried = None
+        self.retried, self.kv_source = None, "retried_colocated"
         self.phase = Phase.OPENING
 
     # -- what the protocols' router legs call (handoff/pull.py, push.py) -----------------------------
     def pick(self, role: str, prefer: str | None = None) -> Worker:
-        worker = self.router.pool.pick(role, self.excluded, prefer)
+        worker = self.router.pool.pick(role, self.excluded, prefer, self.facts)
         self.holding.append(worker)
         return worker
 
@@ -154,9 +157,13 @@ class Attempt:
         """Send the client's request, as it came, to the decode worker: it computes it colocated."""
         reason = failure_message(failure)
         log.warning("handoff %s: prefill failed (%s); retrying colocated", self.handoff_id, reason)
+        return await self.run_colocated(f"prefill failed ({reason})", "retried_colocated")
+
+    async def run_colocated(self, why: str, kv_source: str) -> httpx.Response:
+        """The client's request, as it came, to a decode worker, which computes it itself."""
         if self.decode is None:
             self.decode = self.pick("decode")
-        self.retried = f"prefill failed ({reason}); computed colocated on {self.decode.url}"
+        self.retried, self.kv_source = f"{why}; computed colocated on {self.decode.url}", kv_source
         self.remote = None                  # nothing pinned to release
         self.decode_sent_ms = self.ms()
         resp = await self.post(self.decode, self.body)
@@ -232,7 +239,7 @@ class Attempt:
     def unhold(self, worker: Worker) -> None:
         if worker in self.holding:
             self.holding.remove(worker)
-            self.router.pool.release(worker)
+            self.router.pool.release(worker, self.facts)
 
     async def release_legs(self, drained: bool = False) -> None:
         """Close this attempt's upstream answers and tell its workers to free what they hold for it
@@ -285,11 +292,13 @@ class Attempt:
         return merged
 
     def retried_handoff(self) -> dict:
-        """The handoff object of a request retried colocated (the decode worker answered a plain one)."""
+        """The handoff object of a request computed colocated (the decode worker answered a plain one):
+        `kv_source` says why, and the field of that name how."""
         if self.merged is None:
-            self.merged = {"handoff_id": self.handoff_id, "mode": self.mode.value, "prefill_worker": self.prefill.url,
+            self.merged = {"handoff_id": self.handoff_id, "mode": self.mode.value,
+                           "prefill_worker": self.prefill.url if self.prefill else None,
                            "decode_worker": self.decode.url, "bytes_transferred": 0, "blocks": 0, "reused_tokens": 0,
-                           "kv_source": "retried_colocated", "retried_colocated": self.retried,
+                           "kv_source": self.kv_source, self.kv_source: self.retried,
                            "phases_ms": dict.fromkeys(M.PHASES), "router_ms": self.router_ms}
             if self.retry_reason:
                 self.merged["retried_elsewhere"] = self.retry_reason

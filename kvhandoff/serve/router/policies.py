@@ -1,0 +1,78 @@
+"""How the router ranks workers for a request (`--decode-policy`, `--prefill-policy`).
+
+Every policy reads a snapshot: what each worker said at its last /health poll (every
+--health-interval, 1 s by default, in the background) plus what this router itself sent it since.
+None waits on the network while a request is routed. The pool (pool.py) always puts a worker that
+failed this request, an unhealthy one and (for a conversation's next turn) one that is not the
+holder of its history before the policy's order, and breaks ties in turn.
+
+Decode:
+- `round-robin`: in turn, whatever the load. The baseline the others are measured against.
+- `fewest-in-flight` (default): this router's requests on the worker not finished yet, then the
+  sequences it last reported. Knows nothing of how fast each worker is.
+- `load`: the wait a new request should expect there: the worker's recent step time (`step_ms`,
+  an average it reports) times the sequences it will step with (reported running, waiting and
+  waiting-for-KV, plus what this router sent it since that report, plus this one). A worker that
+  has not stepped yet is taken at the others' median step time. A slow or overloaded worker is
+  avoided even when it holds as few requests as the others.
+Prefill:
+- `fewest-in-flight` (default), as above.
+- `cache-aware`: the prefill worker whose prefix cache should hold the longest part of the prompt,
+  weighed against its queue: cost = the prompt's tokens it would compute (those past the blocks it
+  holds, as prefix.py estimates) + the tokens it still has to prefill (what it reported, or the
+  prompts this router has on it now if more). Costs the request one /kv/prompt round trip to a prefill worker (which
+  tokenizes and hashes the prompt); without an answer it falls back to fewest-in-flight.
+Selective disaggregation (`--disagg-min-tokens N`, any policy): a prompt of which fewer than N
+tokens are uncached on the best prefill worker goes to a decode worker as a plain request, which
+computes it colocated: a short prompt does not pay for a handoff.
+"""
+from __future__ import annotations
+
+import statistics
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvhandoff.serve.router.pool import Worker
+    from kvhandoff.serve.router.prefix import PrefixIndex, PromptFacts
+
+
+class DecodePolicy(str, Enum):
+    ROUND_ROBIN = "round-robin"
+    FEWEST = "fewest-in-flight"
+    LOAD = "load"
+
+
+class PrefillPolicy(str, Enum):
+    FEWEST = "fewest-in-flight"
+    CACHE = "cache-aware"
+
+
+def sequences(worker: Worker) -> int:
+    """Sequences the worker will step with once this router's unreported requests land there."""
+    h = worker.last_health
+    reported = sum(int(h.get(k) or 0) for k in ("num_running", "num_waiting", "num_waiting_for_kv"))
+    return reported + worker.routed_since_poll
+
+
+def uncached_tokens(worker: Worker, facts: PromptFacts, index: PrefixIndex) -> int:
+    return max(0, facts.num_tokens - index.cached_blocks(worker.url, facts.block_hashes) * facts.block_size)
+
+
+def queued_prefill_tokens(worker: Worker) -> int:
+    """What it reported at its last poll, or what this router has on it now if that is more (sent since)."""
+    return max(int(worker.last_health.get("num_tokens_to_prefill") or 0), worker.tokens_in_flight)
+
+
+def ranking(policy: DecodePolicy | PrefillPolicy, workers: list[Worker], facts: PromptFacts | None = None,
+            index: PrefixIndex | None = None):
+    """key(worker) -> a sortable cost, lowest first, for one pick among `workers`."""
+    if policy is DecodePolicy.ROUND_ROBIN:
+        return lambda w: 0
+    if policy is DecodePolicy.LOAD:
+        known = [w.last_health["step_ms"] for w in workers if w.last_health.get("step_ms")]
+        typical = statistics.median(known) if known else 1.0
+        return lambda w: (w.last_health.get("step_ms") or typical) * (1 + sequences(w))
+    if policy is PrefillPolicy.CACHE and facts is not None and index is not None:
+        return lambda w: uncached_tokens(w, facts, index) + queued_prefill_tokens(w)
+    return lambda w: (w.in_flight, w.load)

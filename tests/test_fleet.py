@@ -1,0 +1,409 @@
+"""A fleet that changes while it serves (issue 13): workers added to and removed from a running
+router (its /admin/workers and `kvhandoff workers`), and `kvhandoff up` as a supervisor: a worker
+that dies is restarted and rejoins while the others keep serving, one that keeps dying is given up,
+and only the router's death (or Ctrl-C) stops the stack."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import ServerProcess
+from kvhandoff import cli
+from kvhandoff.serve.auth import control_headers
+from kvhandoff.serve.router.policies import DecodePolicy, PrefillPolicy
+from test_router import SECRET, UP_READY, FakeWorker, Proc, child_pids, gone, start_router, wait_until
+
+ADMIN = control_headers(SECRET)
+UP_RESTARTED = re.compile(r"^kvhandoff up: restarted (?P<name>\S+) \(pid (?P<pid>\d+)", re.M)
+# Three workers on two cores get a thread each: the reference engine must reduce in the same order.
+ENGINE = ("--model", "tiny", "--num-blocks", "256", "--threads", "1")
+PROMPTS = [[(i * 31 + n * 7) % 400 + 3 for n in range(24 + 9 * i)] for i in range(16)]
+TOKENS = 48
+
+
+def up(tmp_path, mode: str, *extra: str) -> Proc:
+    return Proc(["up", "--mode", mode, "--port", "0", *ENGINE, *extra], tmp_path / f"up-{mode}.log", UP_READY,
+                timeout=180, env={"KVHANDOFF_SECRET": SECRET})
+
+
+def completion(prompt: list[int]) -> dict:
+    return {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+SHORT = 12                 # tokens per answer where the test is about routing, not streams outliving a kill
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, list[str]]:
+    """Colocated greedy outputs of PROMPTS, TOKENS and SHORT tokens long, on an engine like the
+    stacks' workers (one thread)."""
+    server = ServerProcess(list(ENGINE), tmp_path_factory.mktemp("fleet") / "colocated.log")
+    try:
+        return {n: [httpx.post(server.url + "/v1/completions", json=completion(p) | {"max_tokens": n}, timeout=60)
+                    .json()["choices"][0]["text"] for p in PROMPTS] for n in (TOKENS, SHORT)}
+    finally:
+        server.stop()
+
+
+class Streams:
+    """PROMPTS streamed at once through `url`; `first_tokens` counts streams that have a token."""
+
+    def __init__(self, url: str):
+        self.url, self.first_tokens = url, 0
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(len(PROMPTS))
+        self.futures = [self.pool.submit(self.one, i) for i in range(len(PROMPTS))]
+
+    def one(self, i: int) -> tuple[int, str, str | None, dict | None]:
+        """(status, text, error message, handoff object)"""
+        text, error, handoff, counted = "", None, None, False
+        with httpx.stream("POST", self.url + "/v1/completions", json=completion(PROMPTS[i]) | {"stream": True},
+                          timeout=120) as r:
+            if r.status_code != 200:
+                r.read()
+                return r.status_code, "", r.json()["error"]["message"], None
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"]["message"]
+                text += "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                handoff = chunk.get("handoff", handoff)
+                if text and not counted:
+                    counted = True
+                    with self.lock:
+                        self.first_tokens += 1
+        return 200, text, error, handoff
+
+    def results(self) -> list[tuple[int, str, str | None, dict | None]]:
+        try:
+            return [f.result(timeout=180) for f in self.futures]
+        finally:
+            self.pool.shutdown()
+
+
+def worker_urls(router_url: str) -> dict[str, str]:
+    """role-index name -> URL, in the order `up` names them (from the router's own list)."""
+    workers = httpx.get(router_url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
+    names, count = {}, {"prefill": 0, "decode": 0}
+    for w in workers:
+        names[f"{w['role']}-{count[w['role']]}"] = w["url"]
+        count[w["role"]] += 1
+    return names
+
+
+def served_by(router_url: str, role: str, n: int) -> set[str]:
+    """The `role` workers that served n sequential requests (the handoff object names them)."""
+    key = f"{role}_worker"
+    out = set()
+    for i in range(n):
+        r = httpx.post(router_url + "/v1/completions", json=completion(PROMPTS[i]) | {"max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        out.add(r.json()["handoff"][key])
+    return out
+
+
+def settled(router_url: str, timeout: float = 20.0) -> None:
+    """Every worker's pool back to all-free, nothing pinned, quarantined or waiting for KV."""
+    workers = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = httpx.get(router_url + "/health", timeout=10).json()["workers"]
+        if all(w.get("num_free_blocks") == w.get("num_blocks") and not w.get("num_pinned_handoffs")
+               and not w.get("num_quarantined") and not w.get("num_waiting_for_kv") for w in workers):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"pools not back at baseline: {workers}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The router's worker set, changed at run time (fake workers: the router's own contract)
+
+def test_workers_join_and_leave_a_running_router(tmp_path):
+    prefill, first, second = FakeWorker("prefill"), FakeWorker("decode"), FakeWorker("decode")
+    router = start_router(tmp_path, prefill.url, first.url, "pull")
+    admin = router.url + "/admin/workers"
+    try:
+        # Refused: no token, a bad role or URL, an unknown worker, the last decode worker.
+        assert httpx.get(admin, timeout=10).status_code == 401
+        assert httpx.post(admin, json={"role": "decode", "url": second.url}, timeout=10).status_code == 401
+        bad = httpx.post(admin, headers=ADMIN, json={"role": "router", "url": second.url}, timeout=10)
+        assert bad.status_code == 400 and "role" in bad.json()["error"]["message"]
+        bad = httpx.post(admin, headers=ADMIN, json={"role": "decode", "url": "a:1,b:2"}, timeout=10)
+        assert bad.status_code == 400 and "one worker URL" in bad.json()["error"]["message"]
+        assert httpx.delete(admin, headers=ADMIN, params={"url": "http://127.0.0.1:9"}, timeout=10).status_code == 404
+        last = httpx.delete(admin, headers=ADMIN, params={"url": first.url}, timeout=10)
+        assert last.status_code == 409 and "last decode worker" in last.json()["error"]["message"]
+        clash = httpx.post(admin, headers=ADMIN, json={"role": "decode", "url": prefill.url}, timeout=10)
+        assert clash.status_code == 409 and "prefill worker" in clash.json()["error"]["message"]
+
+        # A slow request is on the first decode worker when the second joins and the first leaves.
+        slow = ThreadPoolExecutor(1).submit(httpx.post, router.url + "/v1/completions", timeout=30,
+                                            json={"prompt": "slow", "max_tokens": 4, "fake": {"decode": {"delay": 2.0}}})
+        wait_until(lambda: any(c["body"].get("prompt") == "slow" for calls in first.calls.values() for c in calls),
+                   "the slow request never reached the first decode worker")
+        added = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "workers", "add", "--router", router.url,
+                                "--role", "decode", "--url", second.url], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "KVHANDOFF_SECRET": SECRET})
+        assert added.returncode == 0, added.stdout + added.stderr
+        assert json.loads(added.stdout)["worker"]["healthy"] is True
+        removed = httpx.delete(admin, headers=ADMIN, params={"url": first.url}, timeout=10).json()
+        assert removed["worker"]["draining"] and not removed["removed"]       # its request is still running
+
+        before = sum(len(calls) for calls in first.calls.values())
+        for i in range(4):
+            r = httpx.post(router.url + "/v1/completions", json={"prompt": f"after {i}", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200, r.text
+        assert sum(len(calls) for calls in first.calls.values()) == before    # nothing new for the drained one
+        assert sum(len(c) for c in second.calls.values()) >= 4
+        assert slow.result().status_code == 200                                 # and it finished what it had
+        wait_until(lambda: [w["url"] for w in httpx.get(admin, headers=ADMIN, timeout=10).json()["workers"]
+                            if w["role"] == "decode"] == [second.url], "the drained worker is still listed")
+        # `kvhandoff workers list` sees the same pool.
+        listed = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "workers", "list", "--router", router.url],
+                                capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "KVHANDOFF_SECRET": SECRET})
+        assert listed.returncode == 0 and {w["url"] for w in json.loads(listed.stdout)["workers"]} == \
+            {prefill.url, second.url}
+    finally:
+        router.stop()
+        for fake in (prefill, first, second):
+            fake.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decode policies: 1 prefill and 3 decode workers, one of them slow, behind one router per policy
+
+SLOW_STEP_MS = 100
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """([prefill URLs], [decode URLs]): 2 prefill and 3 decode workers, decode 2 slowed by SLOW_STEP_MS
+    per step; each decode worker has stepped once (a plain request), so each reports a step time."""
+    logs = tmp_path_factory.mktemp("fleet")
+    args = [*ENGINE, "--kv-secret", SECRET]
+    specs = [(["--role", "prefill"], f"prefill-{i}") for i in range(2)]
+    specs += [(["--role", "decode", *(["--inject-faults", f"step_ms={SLOW_STEP_MS}"] if i == 2 else [])], f"decode-{i}")
+              for i in range(3)]
+    with ThreadPoolExecutor(len(specs)) as pool:          # started side by side: most of it is importing torch
+        started = [pool.submit(ServerProcess, [*args, *extra], logs / f"{name}.log") for extra, name in specs]
+    servers = [f.result() for f in started if f.exception() is None]
+    if len(servers) < len(specs):
+        for server in servers:
+            server.stop()
+        raise next(f.exception() for f in started if f.exception() is not None)
+    prefills, decodes = servers[:2], servers[2:]
+    try:
+        for server in decodes:
+            r = httpx.post(server.url + "/v1/completions", json=completion(PROMPTS[0]) | {"max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+        assert decodes[2].health()["step_ms"] > SLOW_STEP_MS > decodes[0].health()["step_ms"]
+        yield [s.url for s in prefills], [s.url for s in decodes]
+    finally:
+        for server in prefills + decodes:
+            server.stop()
+
+
+def fleet_router(tmp_path, fleet, *flags: str) -> Proc:
+    prefills, decodes = fleet
+    router = start_router(tmp_path, ",".join(prefills), ",".join(decodes), "pull", "--health-interval", "0.2", *flags)
+    time.sleep(0.5)                      # a poll of every worker (its step time, pool size) has landed
+    return router
+
+
+def post(router: Proc, prompt: list[int], max_tokens: int = TOKENS) -> dict:
+    r = httpx.post(router.url + "/v1/completions", json=completion(prompt) | {"max_tokens": max_tokens}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_cli_offers_every_policy():
+    assert set(cli.DECODE_POLICIES) == {p.value for p in DecodePolicy}
+    assert set(cli.PREFILL_POLICIES) == {p.value for p in PrefillPolicy}
+
+
+@pytest.mark.parametrize("policy", [p.value for p in DecodePolicy])
+def test_decode_policies_serve_colocated_tokens_and_load_avoids_a_slow_worker(tmp_path, fleet, reference, policy):
+    decodes = fleet[1]
+    router = fleet_router(tmp_path, fleet, "--decode-policy", policy)
+    try:
+        assert httpx.get(router.url + "/health", timeout=10).json()["decode_policy"] == policy
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda i: post(router, PROMPTS[i], SHORT), range(12)))
+        for i, answer in enumerate(answers):
+            assert answer["choices"][0]["text"] == reference[SHORT][i], f"{policy}: prompt {i} differs from colocated"
+        served = [answer["handoff"]["decode_worker"] for answer in answers]
+        counts = [served.count(url) for url in decodes]
+        if policy == "round-robin":
+            assert counts == [4, 4, 4], counts          # blind to the slow one
+        elif policy == "load":
+            assert counts[2] <= 1 and counts[0] + counts[1] >= 11, counts
+    finally:
+        router.stop()
+
+
+LONG = [(n * 13) % 450 + 3 for n in range(200)]       # 6 full blocks of 32 and a partial one
+OTHER = [(n * 17) % 450 + 5 for n in range(200)]
+
+
+@pytest.mark.parametrize("policy", [p.value for p in PrefillPolicy])
+def test_cache_aware_prefill_goes_where_the_prefix_is_cached(tmp_path, fleet, reference, policy):
+    router = fleet_router(tmp_path, fleet, "--prefill-policy", policy)
+    try:
+        for i in (0, 5, 9):
+            assert post(router, PROMPTS[i], SHORT)["choices"][0]["text"] == reference[SHORT][i], f"{policy}: prompt {i}"
+        for base in (LONG, OTHER):
+            home = post(router, base, 4)["handoff"]["prefill_worker"]
+            again = [post(router, base + [7 + k, 11 + k], 4)["handoff"]["prefill_worker"] for k in range(3)]
+            if policy == "cache-aware":
+                assert again == [home] * 3, (home, again)
+            else:                                     # fewest-in-flight takes idle workers in turn
+                assert set(again) == set(fleet[0]), (home, again)
+    finally:
+        router.stop()
+
+
+def test_selective_disaggregation_computes_short_prompts_on_the_decode_worker(tmp_path, fleet, reference):
+    router = fleet_router(tmp_path, fleet, "--disagg-min-tokens", "64")
+    try:
+        assert httpx.get(router.url + "/health", timeout=10).json()["disagg_min_tokens"] == 64
+        short = post(router, PROMPTS[0], SHORT)                            # 24 tokens
+        assert short["choices"][0]["text"] == reference[SHORT][0]
+        h = short["handoff"]
+        assert h["kv_source"] == "colocated" and "short prompt (24 tokens" in h["colocated"], h
+        assert h["bytes_transferred"] == 0 and h["prefill_worker"] is None and h["decode_worker"] in fleet[1]
+        long = post(router, LONG, 4)["handoff"]                           # 200 tokens: a handoff
+        assert long.get("kv_source") != "colocated" and long["blocks"] >= 1 and long["bytes_transferred"] > 0, long
+        # 210 tokens of which 192 are cached on a prefill worker: 18 to compute, below 64.
+        cached = post(router, LONG + [5] * 10, 4)["handoff"]
+        assert cached["kv_source"] == "colocated", cached
+        # Streamed too: the final chunk carries the same kind of handoff object.
+        with httpx.stream("POST", router.url + "/v1/completions", timeout=60,
+                          json=completion(PROMPTS[1]) | {"stream": True, "max_tokens": SHORT}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == reference[SHORT][1]
+        assert chunks[-1]["handoff"]["kv_source"] == "colocated"
+    finally:
+        router.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# `kvhandoff up` as a supervisor (real workers, tiny model)
+
+def kill_mid_stream(stack: Proc, victim: str) -> list[tuple[int, str, str | None, dict | None]]:
+    """SIGKILL `victim` (a child of `stack`) once every stream has its first token; their results."""
+    streams = Streams(stack.url)
+    wait_until(lambda: streams.first_tokens == len(PROMPTS), "the streams did not all start", timeout=60)
+    os.kill(child_pids(stack)[victim], signal.SIGKILL)
+    return streams.results()
+
+
+def recovers(stack: Proc, name: str, victim: str, reference) -> None:
+    """After `name` (at `victim`) was killed: every new request is served meanwhile (by the others, or
+    retried there), the victim is back within 60 s and gets requests again, and pools settle."""
+    for prompt, expected in zip(PROMPTS[:6], reference[TOKENS]):
+        r = httpx.post(stack.url + "/v1/completions", json=completion(prompt), timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+    stack.wait_for(re.compile(rf"^kvhandoff up: {name} .* is serving again", re.M), timeout=60)
+    role = name.split("-")[0]
+    wait_until(lambda: victim in served_by(stack.url, role, 4), "the restarted worker gets no request", timeout=20)
+    settled(stack.url)
+
+
+def test_up_restarts_a_killed_decode_worker_and_the_other_keeps_serving(tmp_path, reference):
+    # 10 ms more per decode step: a 48-token stream outlives the kill on any machine.
+    stack = up(tmp_path, "pull", "--decode", "2", "--decode-args=--inject-faults step_ms=10")
+    try:
+        urls = worker_urls(stack.url)
+        victim = urls["decode-1"]
+        results = kill_mid_stream(stack, "decode-1")
+        on_survivor = on_victim = 0
+        for (status, text, error, handoff), expected in zip(results, reference[TOKENS]):
+            if error is None:
+                assert status == 200 and text == expected, (status, text, expected)
+                on_survivor += handoff["decode_worker"] == urls["decode-0"]
+            else:                    # it was on the victim and had streamed tokens: a clear error naming it
+                assert status == 200 and victim in error, error
+                on_victim += 1
+        assert on_survivor >= 1 and on_victim >= 1, (on_survivor, on_victim)
+        recovers(stack, "decode-1", victim, reference)
+        assert stack.proc.poll() is None
+    finally:
+        assert stack.stop() == 0, stack.text()[-3000:]
+    assert "restarting it in 1 s" in stack.text()
+
+
+def test_up_restarts_a_killed_prefill_worker_in_push_mode(tmp_path, reference):
+    # Prefill steps 30 ms longer: requests are on the prefill workers when one dies. A decode block a
+    # dead writer's WRITE might still land in is set aside until the write deadline (2 x --kv-timeout-s,
+    # 60 s by default) when no connection death told of it first: 2 s here, as in test_faults.
+    stack = up(tmp_path, "push", "--prefill", "2", "--prefill-args=--inject-faults step_ms=30",
+               "--kv-timeout-s", "2", "--lease-s", "2")
+    try:
+        urls = worker_urls(stack.url)
+        victim = urls["prefill-1"]
+        streams = Streams(stack.url)
+        time.sleep(0.3)
+        os.kill(child_pids(stack)["prefill-1"], signal.SIGKILL)
+        for (status, text, error, handoff), expected in zip(streams.results(), reference[TOKENS]):
+            # Its handoffs are recomputed by the decode worker (or retried), or end with an error naming it.
+            assert (status, error) == (200, None) and text == expected or victim in (error or ""), \
+                (status, error, text, expected)
+        recovers(stack, "prefill-1", victim, reference)
+    finally:
+        assert stack.stop() == 0, stack.text()[-3000:]
+
+
+def test_up_gives_up_a_worker_that_crashes_at_every_start(tmp_path, reference):
+    stack = up(tmp_path, "pull", "--decode", "2", "--max-restarts", "1",
+               "--worker-args", "decode-1=--model /nonexistent/model.gguf")
+    try:
+        text = stack.text()
+        assert re.search(r"decode-1 \(pid \d+.*\) exited with status \d+; restarting it in 1 s", text), text[-3000:]
+        assert re.search(r"decode-1 \(pid \d+.*\) exited with status \d+, 2 times within 300 s; giving up", text)
+        for prompt, expected in zip(PROMPTS[:4], reference[SHORT]):        # the others serve
+            r = httpx.post(stack.url + "/v1/completions", json=completion(prompt) | {"max_tokens": SHORT}, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+        pids = child_pids(stack)
+        # The router's death ends the stack: nothing serves without it.
+        os.kill(pids["router"], signal.SIGKILL)
+        assert stack.proc.wait(30) == 1
+        assert re.search(r"router \(pid \d+.*\) exited with status -9; stopping the others", stack.text())
+    finally:
+        stack.stop()
+    assert all(gone(pid) for name, pid in pids.items() if name != "decode-1"), pids
+
+
+def test_up_restarts_a_dead_colocated_worker_and_gives_up_a_crash_loop(tmp_path):
+    stack = up(tmp_path, "colocated")
+    try:
+        first = child_pids(stack)["worker"]
+        os.kill(first, signal.SIGKILL)
+        stack.wait_for(re.compile(r"^kvhandoff up: worker .* is serving again", re.M), timeout=60)
+        r = httpx.post(stack.url + "/v1/completions", json=completion(PROMPTS[0]), timeout=60)
+        assert r.status_code == 200, r.text
+        second = int(UP_RESTARTED.search(stack.text())["pid"])
+        assert second != first
+        # The supervisor killed outright: its (restarted) child follows it, asked of the kernel by the child.
+        stack.proc.kill()
+        wait_until(lambda: gone(second), "the worker outlived its supervisor", timeout=15)
+    finally:
+        stack.stop()
+    # A colocated worker that cannot start: given up, and with no worker left the stack stops.
+    out = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "up", "--mode", "colocated", "--port", "0",
+                          "--model", "/nonexistent/model.gguf", "--max-restarts", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert "giving up on it" in out.stdout and "every worker has been given up" in out.stdout, out.stdout[-3000:]
