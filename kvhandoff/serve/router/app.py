@@ -193,7 +193,7 @@ class Router:
         """The client's response: a stream relayed from the decode worker, or its whole JSON answer."""
         if self.config.bidirectional:
             attempt.candidate = await self.sessions.find(attempt)
-        if self.config.prefill_policy is PrefillPolicy.CACHE or self.config.disagg_min_tokens:
+        if attempt.facts is None and (self.config.prefill_policy is PrefillPolicy.CACHE or self.config.disagg_min_tokens):
             attempt.facts = await prompt_facts(self, attempt)
         leg = self.colocated_leg if self.short(attempt) else self.leg
         while True:
@@ -223,7 +223,7 @@ class Router:
         facts, threshold = attempt.facts, self.config.disagg_min_tokens
         if not threshold or facts is None or attempt.candidate is not None:
             return False
-        uncached = min(uncached_tokens(w, facts, self.pool.prefix) for w in self.pool.prefills if not w.draining)
+        uncached = min(uncached_tokens(w, facts, self.pool.prefix) for w in self.pool.serving("prefill"))
         return uncached < threshold
 
     async def colocated_leg(self, attempt: Attempt):

@@ -20,8 +20,9 @@ Prefill:
 - `cache-aware`: the prefill worker whose prefix cache should hold the longest part of the prompt,
   weighed against its queue: cost = the prompt's tokens it would compute (those past the blocks it
   holds, as prefix.py estimates) + the tokens it still has to prefill (what it reported, or the
-  prompts this router has on it now if more). Costs the request one /kv/prompt round trip to a prefill worker (which
-  tokenizes and hashes the prompt); without an answer it falls back to fewest-in-flight.
+  prompts this router has on it now if more). Costs the request one /kv/prompt round trip to a
+  prefill worker (which tokenizes and hashes the prompt; shared with bidirectional reuse's session
+  lookup); without an answer it falls back to fewest-in-flight.
 Selective disaggregation (`--disagg-min-tokens N`, any policy): a prompt of which fewer than N
 tokens are uncached on the best prefill worker goes to a decode worker as a plain request, which
 computes it colocated: a short prompt does not pay for a handoff.

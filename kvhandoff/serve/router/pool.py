@@ -62,6 +62,10 @@ class WorkerPool:
     def of(self, role: str) -> list[Worker]:
         return self.prefills if role == "prefill" else self.decodes
 
+    def serving(self, role: str) -> list[Worker]:
+        """The role's workers that may get new requests (not draining)."""
+        return [w for w in self.of(role) if not w.draining]
+
     def find(self, url: str) -> Worker | None:
         return next((w for w in self.workers if w.url == url), None)
 
@@ -72,7 +76,7 @@ class WorkerPool:
         (policies.py); ties go round-robin (the first tied one after the last pick) so equals
         share. Draining workers are never picked. The caller holds the worker (one more in flight)
         until it calls release(). `facts`: the prompt's, when known (cache-aware prefill)."""
-        workers = [w for w in self.of(role) if not w.draining]
+        workers = self.serving(role)
         assert workers, f"no {role} worker left in the pool"      # remove() keeps one of each role
         n, start = len(workers), self.cursor.get(role, 0) % len(workers)
         in_turn = [workers[(start + i) % n] for i in range(n)]
@@ -96,15 +100,14 @@ class WorkerPool:
             self._drop(worker)
 
     def has_alternative(self, worker: Worker) -> bool:
-        return any(w.healthy and not w.draining and w is not worker for w in self.of(worker.role))
+        return any(w.healthy and w is not worker for w in self.serving(worker.role))
 
     def least_loaded(self, role: str) -> Worker:
         """For a side call that holds nothing (a prefill worker to hash a prompt)."""
-        return min((w for w in self.of(role) if not w.draining), key=lambda w: (not w.healthy, w.in_flight, w.load))
+        return min(self.serving(role), key=lambda w: (not w.healthy, w.in_flight, w.load))
 
     def missing_roles(self) -> list[str]:
-        return [role for role in ("prefill", "decode")
-                if not any(w.healthy and not w.draining for w in self.of(role))]
+        return [role for role in ("prefill", "decode") if not any(w.healthy for w in self.serving(role))]
 
     # -- the set of workers, changed at run time (the router's /admin/workers) -----------------------
     def add(self, role: str, url: str) -> Worker:
@@ -128,7 +131,7 @@ class WorkerPool:
         worker = self.find(url)
         if worker is None:
             raise KeyError(url)
-        if not any(w is not worker and not w.draining for w in self.of(worker.role)):
+        if not any(w is not worker for w in self.serving(worker.role)):
             raise ValueError(f"{worker} is the last {worker.role} worker in the pool; add another one first")
         worker.draining = True
         if worker.in_flight == 0:

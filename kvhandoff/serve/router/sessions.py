@@ -14,7 +14,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import httpx
+from kvhandoff.serve.router.prefix import prompt_facts
+
 
 log = logging.getLogger("kvhandoff.router")
 
@@ -113,15 +114,12 @@ class Sessions:
             return self.map.get(attempt.session_id)
         if not len(self.map):
             return None
-        worker = self.router.pool.least_loaded("prefill")
-        try:
-            resp = await self.router.client.post(worker.url + "/kv/prompt", headers=self.router.auth, timeout=10.0,
-                                                 json={"endpoint": attempt.endpoint, "request": attempt.body})
-            hashes = resp.json().get("block_hashes") if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError) as e:
-            log.warning("handoff %s: no prompt hashes from %s (%s): no reuse", attempt.handoff_id, worker.url, e)
+        if attempt.facts is None:            # fetched once per request: the policies read them too
+            attempt.facts = await prompt_facts(self.router, attempt)
+        if attempt.facts is None:
+            log.warning("handoff %s: no prompt hashes from a prefill worker: no reuse", attempt.handoff_id)
             return None
-        return self.map.match(hashes) if isinstance(hashes, list) else None
+        return self.map.match(attempt.facts.block_hashes)
 
     def remember(self, attempt, merged: dict) -> None:
         """Record where this turn's KV is kept now; forget (and free) the turn it replaces."""
