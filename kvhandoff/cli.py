@@ -37,6 +37,13 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disagg-min-tokens", type=int, default=0, metavar="N",
                    help="selective disaggregation: a prompt with fewer than N tokens uncached on the best prefill "
                         "worker is computed on a decode worker, with no handoff (default: %(default)s = never)")
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="seconds between the router's /health polls of its workers, what the load-aware policies "
+                        "and late binding read; 0 = off (default: %(default)s)")
+    p.add_argument("--late-binding", action="store_true",
+                   help="push modes: the decode worker picked at arrival may be replaced while the prompt is "
+                        "still computed, if it has fallen behind (its expected wait over 1.5x the best other's); "
+                        "the registration is withdrawn and made again there")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -227,7 +234,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                               mode=args.mode, secret=secret, request_timeout=args.request_timeout,
                               health_interval=args.health_interval, retry_colocated=args.retry_colocated,
                               bidirectional=args.bidirectional, decode_policy=args.decode_policy,
-                              prefill_policy=args.prefill_policy, disagg_min_tokens=args.disagg_min_tokens)
+                              prefill_policy=args.prefill_policy, disagg_min_tokens=args.disagg_min_tokens,
+                              late_binding=args.late_binding)
     except ValueError as e:
         raise SystemExit(f"kvhandoff router: {e}")
     app = build_router_app(config)
@@ -275,14 +283,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     passed to every worker."""
     from kvhandoff.serve.launch import LaunchConfig, run
 
+    if args.late_binding and not (args.mode != COLOCATED and Mode(args.mode).is_push):
+        raise SystemExit(f"kvhandoff up: --late-binding is for the push modes, not {args.mode}")
     worker_args = engine_argv(args) + args.extra + (["--bidirectional"] if args.bidirectional else [])
     if args.extra:
         print(f"kvhandoff up: passing {' '.join(args.extra)} to every worker", flush=True)
     try:
         router_args = (["--retry-colocated"] if args.retry_colocated else []) + \
                       (["--bidirectional"] if args.bidirectional else []) + \
+                      (["--late-binding"] if args.late_binding else []) + \
                       ["--decode-policy", args.decode_policy, "--prefill-policy", args.prefill_policy,
-                       "--disagg-min-tokens", str(args.disagg_min_tokens)]
+                       "--disagg-min-tokens", str(args.disagg_min_tokens), "--health-interval", str(args.health_interval)]
         cfg = LaunchConfig(mode=args.mode, worker_args=worker_args, router_args=router_args,
                            prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),
                            num_prefill=args.prefill, num_decode=args.decode,
@@ -343,9 +354,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.launch is not None:
         from kvhandoff.bench.command import launch_spec
         args.launch = [m.strip() for m in args.launch.split(",") if m.strip()]
+        up_flags = argparse.ArgumentParser(prog="kvhandoff bench --launch", add_help=False)   # values checked now
+        add_policy_args(up_flags)
+        for flag in ("--bidirectional", "--retry-colocated"):
+            up_flags.add_argument(flag, action="store_true")
         try:
             for spec in args.launch:
-                launch_spec(spec)
+                up_flags.parse_args(launch_spec(spec)[1])
         except ValueError as exc:
             raise SystemExit(f"kvhandoff bench: {exc}") from None
         if not args.launch:
@@ -440,9 +455,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "line is visible to every local user)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take end to end, streams included (default: %(default)s)")
-    p.add_argument("--health-interval", type=float, default=1.0,
-                   help="seconds between /health polls of the workers, for load-aware picking; 0 = off "
-                        "(default: %(default)s)")
     p.add_argument("--retry-colocated", action="store_true",
                    help="when a prefill worker fails (5xx, unreachable, died), have the decode worker compute the "
                         "request itself instead of failing it (push: whatever its --kv-load-failure-policy)")
@@ -499,8 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--target", metavar="URL", help="any OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     which.add_argument("--launch", metavar="MODE[,MODE...]",
                        help=f"start `kvhandoff up --mode MODE` for each mode in turn ({', '.join(modes.STACK_MODES)}; "
-                            "`+bidirectional` or `+retry-colocated` adds that flag, e.g. push+bidirectional), "
-                            "measure, stop it")
+                            "`+bidirectional`, `+retry-colocated` or `+late-binding` adds that flag, "
+                            "`+decode-policy=P`, `+prefill-policy=P`, `+disagg-min-tokens=N` or "
+                            "`+health-interval=S` that option, e.g. push+bidirectional or "
+                            "push+late-binding+decode-policy=load), measure, stop it")
     p.add_argument("--workload", default="grid",
                    help="grid, multiturn, or a JSON-lines file to replay (see kvhandoff/bench/workload.py) "
                         "(default: %(default)s)")

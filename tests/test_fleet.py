@@ -300,6 +300,64 @@ def test_selective_disaggregation_computes_short_prompts_on_the_decode_worker(tm
         router.stop()
 
 
+def stream_text(router: Proc, prompt: list[int]) -> tuple[str, dict]:
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=60,
+                      json=completion(prompt) | {"stream": True, "max_tokens": SHORT}) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert not any("error" in c for c in chunks), chunks
+    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")), chunks[-1]["handoff"]
+
+
+def test_late_binding_moves_a_request_off_a_decode_worker_that_fell_behind(tmp_path, fleet, reference):
+    """Push with --late-binding and round-robin: every third request is bound at arrival to the slowed
+    decode worker; while its prompt waits on a prefill worker that takes 0.6 s a step, the router
+    sees that worker fell behind and moves the request. Colocated tokens, and the slow worker's
+    reservation is freed at once (not set aside until the push deadline, 60 s here)."""
+    prefill = ServerProcess([*ENGINE, "--kv-secret", SECRET, "--role", "prefill", "--inject-faults", "step_ms=600"],
+                            tmp_path / "prefill-slow.log")
+    decodes, slow = fleet[1], fleet[1][2]
+    try:
+        # A rebind is refused without the control token, malformed, or for a handoff that ended.
+        assert httpx.post(prefill.url + "/kv/rebind", json={"handoff_id": "x", "binding": 1}, timeout=10).status_code == 401
+        bad = httpx.post(prefill.url + "/kv/rebind", headers=ADMIN, json={"handoff_id": "x", "binding": "1"}, timeout=10)
+        assert bad.status_code == 400 and "binding" in bad.text, bad.text
+        for mode in ("push", "push-layerwise"):
+            router = start_router(tmp_path, prefill.url, ",".join(decodes), mode, "--health-interval", "0.2",
+                                  "--decode-policy", "round-robin", "--late-binding")
+            try:
+                time.sleep(0.5)
+                answers = []
+                for i in range(6):          # decode-0, 1, 2 at arrival, in turn (moves leave the turn as it is)
+                    if i == 5:
+                        answers.append(stream_text(router, PROMPTS[i]))
+                    else:
+                        answer = post(router, PROMPTS[i], SHORT)
+                        answers.append((answer["choices"][0]["text"], answer["handoff"]))
+                    if i % 3 == 2:          # bound to the slow worker: moved, its blocks free again at once
+                        wait_until(lambda: httpx.get(slow + "/health", timeout=10).json()["num_free_blocks"] ==
+                                   httpx.get(slow + "/health", timeout=10).json()["num_blocks"],
+                                   "the worker moved away from still holds blocks", timeout=5)
+                for i, (text, handoff) in enumerate(answers):
+                    assert text == reference[SHORT][i], f"{mode}: prompt {i} differs from colocated"
+                    assert handoff["decode_worker"] != slow, (mode, i, handoff)
+                    assert (handoff.get("rebound_from") == slow) == (i % 3 == 2), (mode, i, handoff)
+                metrics = httpx.get(router.url + "/metrics", timeout=10).text
+                assert f'kvhandoff_router_rebinds_total{{mode="{mode}",outcome="moved"}} ' in metrics, metrics
+                rebound = answers[2][1]["handoff_id"]
+            finally:
+                router.stop()
+            # The prefill worker refuses to move a handoff that has ended.
+            late = httpx.post(prefill.url + "/kv/rebind", headers=ADMIN, json={"handoff_id": rebound, "binding": 2},
+                              timeout=10)
+            assert late.status_code == 409 and "already ended" in late.json()["error"]["message"], late.text
+        assert httpx.get(slow + "/health", timeout=10).json()["num_quarantined"] == 0
+    finally:
+        prefill.stop()
+    with pytest.raises(RuntimeError, match="--late-binding is for the push modes"):
+        start_router(tmp_path, prefill.url, ",".join(decodes), "pull", "--late-binding")
+
+
 # ---------------------------------------------------------------------------------------------------
 # `kvhandoff up` as a supervisor (real workers, tiny model)
 

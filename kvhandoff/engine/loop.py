@@ -152,10 +152,10 @@ class EngineLoop:
             outputs = [out for item in inbox if (out := self._apply(item)) is not None]
             if self.engine.has_work():
                 started, forward_s = time.perf_counter(), self.engine.forward_s
+                if self.step_delay_s:       # before the step: what it makes (a token, a computed prompt) is late too
+                    time.sleep(self.step_delay_s)
                 outputs += self.engine.step()
                 self.num_steps += 1
-                if self.step_delay_s:
-                    time.sleep(self.step_delay_s)
                 if self.engine.forward_s != forward_s:          # a step that ran the model
                     ms = (time.perf_counter() - started) * 1e3
                     self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms

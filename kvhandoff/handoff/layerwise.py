@@ -12,6 +12,7 @@ is written exactly once, when it is final, so writes never overlap and their ord
 - a registration that arrives after some chunks (or layers) were computed first catches up: the
   blocks completed so far, all layers at once, then the current chunk's computed layers;
 - the final WRITE (push.py) covers whatever is left, and carries Done.
+A registration that has had a layer computed for it is committed: late binding can no longer move it.
 What left before the prompt was computed is reported (bytes_before_prefill_end); the `transfer`
 phase is what is left after it, the part of the transfer the client waits for.
 """
@@ -35,7 +36,7 @@ class LayerwisePrefill(PushPrefill):
         for chunk in chunks:
             request = chunk.request
             side, job = self.rt.requests.get(request.request_id, (None, None))
-            if side is not self or not job.layerwise or job.registration is None or job.started:
+            if side is not self or not job.layerwise or not self._commit(job) or job.started:
                 continue
             start = request.num_computed_tokens
             if job.chunk_start != start:            # the first layer of this chunk we hear of
@@ -50,6 +51,15 @@ class LayerwisePrefill(PushPrefill):
             job.layers_sent = layer + 1
             if last:
                 job.blocks_sent, job.chunk_start = max(job.blocks_sent, blocks.stop), None
+
+    @staticmethod
+    def _commit(job: PushJob) -> bool:
+        """Is there a registration to write layers to? From the first yes on, the handoff is bound to it
+        (a late-binding Rebind is refused): layers may be on their way there."""
+        if not job.committed:
+            with job.lock:
+                job.committed = job.registration is not None
+        return job.committed
 
     def _final_blocks(self, request, end: int) -> int:
         """How many leading blocks hold final K/V once the tokens before `end` are computed: the block

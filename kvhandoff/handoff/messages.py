@@ -19,8 +19,10 @@ from kvhandoff.handoff.modes import Mode
 
 # 1: untyped dicts, before this module (no version field). 3: the KV block's inner layout became
 # [layers, K/V, kv_heads, block_size, head_dim] (issue 12): same bytes per block, other meaning, so
-# a peer of version 2 must be refused rather than decode from K/V it misreads.
-PROTOCOL_VERSION = 3
+# a peer of version 2 must be refused rather than decode from K/V it misreads. 4: late-bound push
+# (issue 13): a registration names its binding, /kv/rebind moves a handoff, Withdrawn tells the
+# decode worker it was moved away from.
+PROTOCOL_VERSION = 4
 PROTOCOL = f"kvhandoff-handoff/{PROTOCOL_VERSION}"     # the transfer agents' handshake compares it
 Role = Literal["prefill", "decode"]
 ROLES = ("prefill", "decode")
@@ -113,6 +115,7 @@ class PullDecodeParams(_Params):
 
 class PushDecodeParams(_Params):
     prefill_url: str
+    binding: int = 0                    # late-bound push: which destination of the handoff this is (Rebind)
     retain: bool = False
     supersedes: str | None = None
 
@@ -161,6 +164,16 @@ class Registration(Message):
     ttl_ms: float                       # the timing rule (push.py): WRITEs start within one ttl of decode's last word
     protocol_version: int
     skip_blocks: int = 0                # leading blocks decode holds already (its prefix cache): not written
+    binding: int = 0                    # from the decode worker's params: a registration of another binding is refused
+
+
+class Rebind(Message):
+    """Router -> prefill `/kv/rebind` (late-bound push): the handoff goes to a new decode worker,
+    whose registration will carry `binding`. Refused (409) once the WRITE (or a layer-wise WRITE) has
+    started; otherwise the current registration is withdrawn (its decode worker is told: Withdrawn)
+    and only a registration of this binding is taken from now on."""
+    handoff_id: str
+    binding: int
 
 
 class HandoffRef(Message):
@@ -283,12 +296,18 @@ class Cancel(_Note, tag="cancel"):
     handoff_id: str
 
 
+class Withdrawn(_Note, tag="withdrawn"):
+    """Late-bound push, prefill -> decode: the router moved this handoff to another decode worker; no
+    WRITE into your blocks will come (free them now)."""
+    handoff_id: str
+
+
 class Unlease(_Note, tag="unlease"):
     """Bidirectional, prefill -> decode: the READ of a retained conversation is over."""
     lease_id: str
 
 
-Notification = Union[Done, Failed, Release, Renew, Progress, Cancel, Unlease]
+Notification = Union[Done, Failed, Release, Renew, Progress, Cancel, Withdrawn, Unlease]
 NOTIFICATION_KINDS = tuple(cls.__struct_config__.tag for cls in Notification.__args__)
 
 

@@ -18,6 +18,13 @@ Only progress counts, not a prompt merely queued: two full pools (prefill's pinn
 waiting for registrations, decode's reserved for prompts prefill has no room to compute) are a
 deadlock that the ttl breaks, and a keep-alive for queued prompts would keep it forever.
 
+Late binding (router --late-binding): while the prompt is still being computed, the router may move
+the handoff to another decode worker (POST /kv/rebind with the next `binding` number). Under the
+job's lock, and only while no WRITE has started (for push-layerwise: no layer WRITE queued), the
+registration is withdrawn and the decode worker that made it is told (Withdrawn: no WRITE will land
+in its blocks, so it frees them at once); from then on only a registration of the new binding is
+taken, and a Cancel from the decode worker moved away from no longer speaks for the handoff.
+
 Failure edges (each end is told at once where the other side knows):
 - the WRITE fails: prefill sends Failed, decode recomputes (or fails, by policy).
 - the prompt fails or is refused on prefill: Failed to a registered decode worker; one that registers
@@ -40,9 +47,12 @@ from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.handoff import messages as M
 from kvhandoff.handoff.reuse import FetchingPrefill, ReusePrefill
 from kvhandoff.handoff.runtime import DecodeSide, HandoffError, Incoming, Runtime, ms, prompt_hash
+
+MOVED = "handoff_moved"     # the error code of a registration refused because the handoff moved on
 from kvhandoff.transfer.errors import TransferError
 
 log = logging.getLogger("kvhandoff.handoff")
+router_log = logging.getLogger("kvhandoff.router")      # the router leg's lines, in the router's log
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -58,6 +68,7 @@ class PushJob:
     prefilled_at: float | None = None
     registration: M.Registration | None = None
     peer: str | None = None
+    binding: int = 0                        # late binding: the destination registrations must name (Rebind)
     renewed_at: float = 0.0                 # decode's last word (registration or Renew): the WRITE's clock
     progress_at: float = 0.0                # our last Progress
     progress_tokens: int = 0                # how much of the prompt was computed at that Progress
@@ -73,6 +84,7 @@ class PushJob:
     layers_sent: int = 0                    # ... how many of its layers
     blocks_sent: int = 0                    # leading blocks whose every layer has been queued
     pending: list = field(default_factory=list)     # their WRITE handles
+    committed: bool = False                 # a layer-wise WRITE went to the registration: no rebinding
     prefilled_perf: float = 0.0             # when the prompt was computed (perf_counter, as handles)
     bytes_before_prefill_end: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -93,7 +105,7 @@ class PushPrefill(FetchingPrefill):
     def __init__(self, rt: Runtime, reuse: ReusePrefill):
         super().__init__(rt, reuse)
         rt.on(M.Renew, PushJob, self._renewed)
-        rt.on(M.Cancel, PushJob, lambda peer, note, job: self.cancel(job))
+        rt.on(M.Cancel, PushJob, self._decode_cancelled)
         rt.on_peer_lost(self._peer_lost)
         rt.every_tick(self._housekeep)
 
@@ -164,12 +176,33 @@ class PushPrefill(FetchingPrefill):
             raise HandoffError(f"skip_blocks must be a block index below the registered blocks, not "
                                f"{registration.skip_blocks!r}", 400)
         with job.lock:
-            if job.registration is not None:
+            moved = registration.binding != job.binding
+            if not moved and job.registration is not None:
                 raise HandoffError(f"handoff {handoff_id} is already registered", 409)
-            job.registration, job.peer, job.layerwise = registration, peer, registration.mode.layerwise
-            job.renewed_at = job.progress_at = time.monotonic()
+            if not moved:
+                job.registration, job.peer, job.layerwise = registration, peer, registration.mode.layerwise
+                job.renewed_at = job.progress_at = time.monotonic()
+        if moved:               # it may hold blocks for us already: they will get nothing
+            self.rt.notify(peer, M.Withdrawn(handoff_id=handoff_id))
+            raise HandoffError(f"handoff {handoff_id} was moved to another decode worker (binding "
+                               f"{job.binding}, not {registration.binding})", 409, code=MOVED)
         self.rt.cfg.faults.reached("registered", handoff_id)
         self._maybe_start(job)
+
+    def rebind(self, rebind: M.Rebind) -> None:
+        """Late binding: the router moves the handoff to another decode worker, whose registration
+        will carry `rebind.binding`. 409 once a WRITE has started (the KV goes where it goes)."""
+        job = self.rt.table.get_or_add(rebind.handoff_id, lambda: PushJob(rebind.handoff_id))
+        with job.lock:
+            if job.started or job.committed:
+                raise HandoffError(f"handoff {job.handoff_id}: the KV write to "
+                                   f"{job.registration.decode_worker} has started", 409)
+            if rebind.binding <= job.binding:
+                raise HandoffError(f"handoff {job.handoff_id} is at binding {job.binding} already", 409)
+            job.binding, withdrawn = rebind.binding, job.peer
+            job.registration = job.peer = None
+            job.arrival = time.monotonic()       # the new registration gets the full wait (housekeeping)
+        self.rt.notify(withdrawn, M.Withdrawn(handoff_id=job.handoff_id))
 
     def _maybe_start(self, job: PushJob) -> None:
         with job.lock:
@@ -256,6 +289,14 @@ class PushPrefill(FetchingPrefill):
         job.finish()
         return True
 
+    def _decode_cancelled(self, peer: str, note: M.Cancel, job: PushJob) -> None:
+        """A decode worker gave up. Once the handoff was moved (late binding), only the one that
+        holds its current registration speaks for it."""
+        with job.lock:
+            if job.binding and peer != job.peer:
+                return
+        self.cancel(job)
+
     def _renewed(self, peer: str, note: M.Renew, job: PushJob) -> None:
         job.renewed_at = time.monotonic()
 
@@ -319,6 +360,9 @@ class PushDecode(DecodeSide):
         rt.on(M.Failed, Incoming, lambda peer, note, incoming: self.rt.fail(
             incoming, f"prefill worker reported: {note.reason}"))
         rt.on(M.Progress, Incoming, self._progress)
+        rt.on(M.Withdrawn, Incoming, lambda peer, note, incoming: self.rt.fail(
+            incoming, "the router moved the request to another decode worker (late binding)", recompute=False))
+        rt.on(M.Withdrawn, None, self._late)
         # A Progress sent as the prompt completed may overtake its WRITE's Done or trail it: harmless.
         rt.on(M.Progress, None, lambda peer, note, entry: None)
         rt.on(M.Done, None, self._late)
@@ -331,7 +375,7 @@ class PushDecode(DecodeSide):
         self.rt.refuse_ended(kv.handoff_id)
         peer = await self._prefill_peer(kv.prefill_url)
         incoming = Incoming(kv.handoff_id, len(prompt_ids), peer=peer, mode=kv.mode)
-        incoming.extra.update(prefill_url=kv.prefill_url, prompt_hash=prompt_hash(prompt_ids))
+        incoming.extra.update(prefill_url=kv.prefill_url, prompt_hash=prompt_hash(prompt_ids), binding=kv.binding)
         self.submit(kv, incoming, prompt_ids, params, on_output)
 
     async def _prefill_peer(self, url: str) -> str:
@@ -351,7 +395,7 @@ class PushDecode(DecodeSide):
             handoff_id=incoming.handoff_id, mode=incoming.mode, decode_worker=self.rt.worker_name,
             agent_metadata=self.rt.metadata_b64(), block_ids=incoming.block_ids, num_kv_tokens=incoming.num_kv_tokens,
             skip_blocks=incoming.skip_blocks, prompt_hash=incoming.extra["prompt_hash"], ttl_ms=ms(ttl),
-            protocol_version=M.PROTOCOL_VERSION)
+            protocol_version=M.PROTOCOL_VERSION, binding=incoming.extra["binding"])
         self._to_register.append((incoming, incoming.extra["prefill_url"], registration))
 
     def start_loads(self) -> None:
@@ -368,8 +412,10 @@ class PushDecode(DecodeSide):
             self.rt.fail(incoming, f"registration with {url} failed: {exc}", settled=False)
             return
         if status >= 400:
-            reason = (body.get("error") or {}).get("message") if isinstance(body, dict) else None
-            self.rt.fail(incoming, f"prefill refused the registration: {reason or status}")
+            error = (body.get("error") or {}) if isinstance(body, dict) else {}
+            # Moved away (late binding): the router has the request served elsewhere; nothing to recompute.
+            self.rt.fail(incoming, f"prefill refused the registration: {error.get('message') or status}",
+                         recompute=False if error.get("code") == MOVED else None)
         else:
             self.rt.cfg.faults.reached("registered", incoming.handoff_id)
 
@@ -389,7 +435,7 @@ class PushDecode(DecodeSide):
             self.rt.notify(peer, M.Renew(handoff_id=note.handoff_id))
 
     def _late(self, peer: str, note, entry) -> None:
-        """Done or Failed for a handoff we gave up on: its blocks were waiting for exactly this."""
+        """Done, Failed or Withdrawn for a handoff we gave up on: its blocks were waiting for exactly this."""
         if not self.rt.settle(note.handoff_id):
             self.rt.counters.bump("late_notifications")
 
@@ -418,6 +464,8 @@ async def route(attempt):
     attempt.prefill_task.add_done_callback(lambda task: _prefill_ended(attempt, task))
     decode = asyncio.ensure_future(attempt.open_decode(prefill_url=attempt.prefill.url))
     try:
+        if attempt.config.late_binding and attempt.history_worker is None:
+            decode = await late_bind(attempt, decode)
         await asyncio.wait({attempt.prefill_task, decode}, return_when=asyncio.FIRST_COMPLETED)
         failure = None if decode.done() else task_error(attempt.prefill_task)
         if failure is not None and attempt.may_retry_colocated(failure):
@@ -432,6 +480,36 @@ async def route(attempt):
         if not decode.done():
             decode.cancel()
             await asyncio.wait({decode})
+
+
+async def late_bind(attempt, decode: asyncio.Task) -> asyncio.Task:
+    """Late binding (router --late-binding): until the prompt is computed, look at the decode worker
+    again after every health poll, and move the request once if it has fallen behind
+    (policies.late_binding_target): the prefill withdraws the registration (/kv/rebind, refused once
+    its WRITE started), then the decode leg goes to the new worker. Returns the decode leg to go on
+    with. (A turn whose history a decode worker retains stays with it: not called.)"""
+    router = attempt.router
+    while True:
+        polled = asyncio.ensure_future(router.pool.next_poll())
+        try:
+            await asyncio.wait({attempt.prefill_task, polled} | ({decode} if not decode.done() else set()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            polled.cancel()
+        if attempt.prefill_task.done() or task_error(decode) is not None:
+            return decode
+        move = attempt.fallen_behind()
+        if move is None:
+            continue
+        target, here, there = move
+        refused = await attempt.rebind()
+        router.metrics.rebinds.labels(attempt.mode.value, "refused" if refused else "moved").inc()
+        if refused:
+            router_log.info("handoff %s: %s fell behind, but stays: %s", attempt.handoff_id, attempt.decode, refused)
+            return decode
+        router_log.info("handoff %s: %s fell behind (expected wait %.0f ms against %.0f); moved to %s",
+                 attempt.handoff_id, attempt.decode, here, there, target)
+        return await attempt.move_decode(target, decode)
 
 
 def _prefill_ended(attempt, task: asyncio.Task) -> None:

@@ -49,11 +49,12 @@ HOUSEKEEPING_S = 0.2
 
 
 class HandoffError(Exception):
-    """A handoff that cannot proceed; `status` is the HTTP status the caller should answer with."""
+    """A handoff that cannot proceed; `status` is the HTTP status the caller should answer with,
+    `code` the error code that lets a worker tell one refusal from another."""
 
-    def __init__(self, message: str, status: int = 500):
+    def __init__(self, message: str, status: int = 500, code: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.code = status, code
 
 
 def ms(seconds: float) -> float:

@@ -53,7 +53,7 @@ class HTTPControl(ControlClient):
 def api_error(exc: HandoffError | M.MessageError, param: str | None = None) -> P.APIError:
     if isinstance(exc, M.MessageError):
         return P.APIError(400, str(exc), param=param)
-    return P.APIError(exc.status, str(exc), type="handoff_error" if exc.status >= 500 else None)
+    return P.APIError(exc.status, str(exc), type="handoff_error" if exc.status >= 500 else None, code=exc.code)
 
 
 class WorkerHandoff:
@@ -191,6 +191,19 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         if handoff.role != "prefill":
             raise P.APIError(400, "registrations go to prefill workers")
         return await handoff.register(request)
+
+    @app.post("/kv/rebind")
+    async def kv_rebind(request: Request):
+        """Late-bound push, router -> prefill: the handoff goes to another decode worker (409 once its
+        WRITE has started)."""
+        message = await control_message(request, secret, M.Rebind, "/kv/rebind")
+        if handoff.role != "prefill":
+            raise P.APIError(400, "rebinds go to prefill workers")
+        try:
+            connector.push_prefill.rebind(message)
+        except HandoffError as exc:
+            raise api_error(exc) from None
+        return {"rebound": message.handoff_id, "binding": message.binding}
 
     @app.post("/kv/release")
     async def kv_release(request: Request):

@@ -63,6 +63,9 @@ class RouterConfig:
     # Selective disaggregation: a prompt with fewer uncached tokens than this is computed colocated on a
     # decode worker, with no handoff (0 = every request is disaggregated).
     disagg_min_tokens: int = 0
+    # Late-bound push: the decode worker picked at arrival may be replaced while the prompt is still
+    # being computed, if it has fallen behind (policies.late_binding_target; push.late_bind).
+    late_binding: bool = False
 
     def __post_init__(self):
         self.mode = Mode.parse(self.mode) if not isinstance(self.mode, Mode) else self.mode
@@ -71,6 +74,9 @@ class RouterConfig:
         assert self.secret, "the router needs the deployment secret to talk to its workers"
         if self.disagg_min_tokens < 0:
             raise ValueError("--disagg-min-tokens must be >= 0")
+        if self.late_binding and self.mode.is_pull:
+            raise ValueError(f"--late-binding is for the push modes; {self.mode} picks the decode worker "
+                             "after the prefill already")
 
 
 class RouterMetrics:
@@ -95,6 +101,9 @@ class RouterMetrics:
         self.retries = Counter("kvhandoff_router_retries", "Requests retried once on other workers after a "
                                "worker failed them before their first token, by the failed worker's role",
                                ["mode", "role"], registry=r)
+        self.rebinds = Counter("kvhandoff_router_rebinds", "Late binding: requests moved to another decode "
+                               "worker while their prompt was computed, or refused the move (WRITE started)",
+                               ["mode", "outcome"], registry=r)
         self.in_flight = Gauge("kvhandoff_router_worker_in_flight", "Requests in flight per worker",
                                ["role", "worker"], registry=r)
 
@@ -274,7 +283,7 @@ class Router:
         missing = self.pool.missing_roles()
         body = {"status": "error" if missing else "ok", "role": "router", "mode": self.mode.value,
                 "decode_policy": self.config.decode_policy.value, "prefill_policy": self.config.prefill_policy.value,
-                "disagg_min_tokens": self.config.disagg_min_tokens,
+                "disagg_min_tokens": self.config.disagg_min_tokens, "late_binding": self.config.late_binding,
                 "num_in_flight": self.num_in_flight, "workers": reports}
         if missing:
             body["error"] = f"no healthy {' or '.join(missing)} worker"

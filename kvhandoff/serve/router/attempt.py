@@ -25,8 +25,9 @@ from enum import Enum
 import httpx
 
 from kvhandoff.handoff import messages as M
-from kvhandoff.serve.router.errors import (Relay, WorkerFailure, error_json, failure_message, refused, status_of,
-                                           task_outcome, worker_failure)
+from kvhandoff.serve.router.errors import (Relay, WorkerFailure, describe, error_json, failure_message, refused,
+                                           status_of, task_outcome, worker_failure)
+from kvhandoff.serve.router.policies import late_binding_target
 from kvhandoff.serve.router.pool import Worker
 from kvhandoff.serve.router.prefix import PromptFacts
 from kvhandoff.serve.router.sessions import SessionEntry
@@ -82,6 +83,8 @@ class Attempt:
     retried: str | None = None                    # why the request was computed colocated on the decode worker
     kv_source: str = "retried_colocated"          # ... after a failed prefill, or "colocated" (selective)
     merged: dict | None = None                    # the client's handoff object, once merged
+    binding: int = 0                              # late binding: how often the decode leg was moved
+    rebound_from: str | None = None               # ... and the decode worker it left
 
     @property
     def config(self):
@@ -115,6 +118,7 @@ class Attempt:
         self.prefill = self.decode = self.prefill_task = self.remote = self.merged = None
         self.upstream, self.open_legs, self.holding = [], set(), []
         self.retried, self.kv_source = None, "retried_colocated"
+        self.binding, self.rebound_from = 0, None
         self.phase = Phase.OPENING
 
     # -- what the protocols' router legs call (handoff/pull.py, push.py) -----------------------------
@@ -177,6 +181,40 @@ class Attempt:
         """This leg's answer was closed unread: the worker frees what it holds for it."""
         self.open_legs.discard(role)
         self.tell(self.decode if role == "decode" else self.prefill, "/kv/cancel")
+
+    def fallen_behind(self) -> tuple[Worker, float, float] | None:
+        """Late binding: (where to move the decode leg, the wait expected here, there), or None."""
+        return late_binding_target(self.decode, self.router.pool.serving("decode"), self.excluded)
+
+    async def rebind(self) -> str | None:
+        """Late binding: ask the prefill worker to withdraw the decode worker's registration and take
+        the next binding's instead. None if it did; else why not (its WRITE has started, ...)."""
+        body = {"handoff_id": self.handoff_id, "binding": self.binding + 1}
+        try:
+            resp = await self.router.client.post(self.prefill.url + "/kv/rebind", json=body,
+                                                 headers=self.router.auth, timeout=5.0)
+        except httpx.HTTPError as e:
+            return describe(e)
+        if resp.status_code != 200:
+            return (await error_json(self.prefill, resp)).get("error", {}).get("message") or str(resp.status_code)
+        self.binding += 1
+        return None
+
+    async def move_decode(self, target: Worker, leg: asyncio.Task) -> asyncio.Task:
+        """Late binding, after a rebind: close the decode leg on the worker left behind (it frees its
+        blocks: the prefill told it nothing will be written there) and open one on `target`."""
+        leg.cancel()
+        await asyncio.wait({leg})
+        if not leg.cancelled() and leg.exception() is None:
+            resp = leg.result()
+            self.upstream.remove(resp)
+            await resp.aclose()
+        self.abandon("decode")
+        self.unhold(self.decode)
+        self.router.pool.hold(target, self.facts)
+        self.holding.append(target)
+        self.rebound_from, self.decode = self.decode.url, target
+        return asyncio.ensure_future(self.open_decode(prefill_url=self.prefill.url, binding=self.binding))
 
     def report_prefill_failure(self, failure: BaseException) -> None:
         """Push: the prefill leg failed with both legs out: the decode worker hears it now (/kv/failed)."""
@@ -285,6 +323,8 @@ class Attempt:
                       decode_worker=self.decode.url, phases_ms=phases, router_ms=self.router_ms)
         if prefill_error:
             merged["prefill_error"] = prefill_error
+        if self.rebound_from:
+            merged["rebound_from"] = self.rebound_from
         if self.retry_reason:
             merged["retried_elsewhere"] = self.retry_reason
         self.merged = merged

@@ -23,6 +23,13 @@ Prefill:
   prompts this router has on it now if more). Costs the request one /kv/prompt round trip to a
   prefill worker (which tokenizes and hashes the prompt; shared with bidirectional reuse's session
   lookup); without an answer it falls back to fewest-in-flight.
+Late binding (`--late-binding`, push modes, any decode policy): the decode worker picked at arrival
+is checked again at every poll while the prompt is still being computed; it has fallen behind when
+the wait expected there (as `load` reckons it, this request among its sequences) is over
+LATE_BINDING_MARGIN times (and more than one typical step above) the wait on the best other
+healthy worker, and the request then moves there, once (push.py's router leg). Costs nothing per
+poll but this arithmetic; a move costs one /kv/rebind round trip to the prefill worker and a second
+decode leg.
 Selective disaggregation (`--disagg-min-tokens N`, any policy): a prompt of which fewer than N
 tokens are uncached on the best prefill worker goes to a decode worker as a plain request, which
 computes it colocated: a short prompt does not pay for a handoff.
@@ -56,6 +63,36 @@ def sequences(worker: Worker) -> int:
     return reported + worker.routed_since_poll
 
 
+def typical_step_ms(workers: list[Worker]) -> float:
+    """What a worker that has not stepped yet is taken to step at: the others' median."""
+    known = [w.last_health["step_ms"] for w in workers if w.last_health.get("step_ms")]
+    return statistics.median(known) if known else 1.0
+
+
+def expected_wait(worker: Worker, typical: float, joining: int = 1) -> float:
+    """Its step time x the sequences it will step with, `joining` more of ours among them."""
+    return (worker.last_health.get("step_ms") or typical) * (joining + sequences(worker))
+
+
+# A move has to buy more than noise between equal workers: their step times wander by tens of percent.
+LATE_BINDING_MARGIN = 1.5
+
+
+def late_binding_target(current: Worker, workers: list[Worker],
+                        excluded: set[str] = frozenset()) -> tuple[Worker, float, float] | None:
+    """Late binding: (the decode worker to move a request to, the wait expected on the current one,
+    the wait expected there), or None while the current one has not fallen behind. The current
+    worker's reported sequences already count the request (it waits there for its K/V)."""
+    typical = typical_step_ms(workers)
+    others = [w for w in workers if w is not current and w.healthy and w.url not in excluded]
+    if not others:
+        return None
+    best = min(others, key=lambda w: expected_wait(w, typical))
+    here, there = expected_wait(current, typical, joining=0), expected_wait(best, typical)
+    # ... and by more than a step: between idle workers whose steps take a few ms, a ratio alone is noise.
+    return (best, here, there) if here > LATE_BINDING_MARGIN * there and here - there > typical else None
+
+
 def uncached_tokens(worker: Worker, facts: PromptFacts, index: PrefixIndex) -> int:
     return max(0, facts.num_tokens - index.cached_blocks(worker.url, facts.block_hashes) * facts.block_size)
 
@@ -71,9 +108,8 @@ def ranking(policy: DecodePolicy | PrefillPolicy, workers: list[Worker], facts: 
     if policy is DecodePolicy.ROUND_ROBIN:
         return lambda w: 0
     if policy is DecodePolicy.LOAD:
-        known = [w.last_health["step_ms"] for w in workers if w.last_health.get("step_ms")]
-        typical = statistics.median(known) if known else 1.0
-        return lambda w: (w.last_health.get("step_ms") or typical) * (1 + sequences(w))
+        typical = typical_step_ms(workers)
+        return lambda w: expected_wait(w, typical)
     if policy is PrefillPolicy.CACHE and facts is not None and index is not None:
         return lambda w: uncached_tokens(w, facts, index) + queued_prefill_tokens(w)
     return lambda w: (w.in_flight, w.load)

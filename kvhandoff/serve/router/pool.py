@@ -54,6 +54,7 @@ class WorkerPool:
         self.policies = {"prefill": prefill_policy, "decode": decode_policy}
         self.prefix = PrefixIndex()                   # what each prefill worker should have cached
         self.cursor: dict[str, int] = {}              # per role: where the round-robin tie break resumes
+        self._polled = asyncio.Event()                # set (and replaced) after each poll of every worker
 
     @property
     def workers(self) -> list[Worker]:
@@ -83,14 +84,18 @@ class WorkerPool:
         cost = ranking(self.policies[role], workers, facts, self.prefix)
         worker = min(in_turn, key=lambda w: (w.url in excluded, not w.healthy, w.url != prefer, cost(w)))
         self.cursor[role] = (workers.index(worker) + 1) % n
+        self.hold(worker, facts)
+        return worker
+
+    def hold(self, worker: Worker, facts: PromptFacts | None = None) -> None:
+        """One more request of this router on `worker` (until release)."""
         worker.in_flight += 1
         worker.routed_since_poll += 1
         if facts is not None:
             worker.tokens_in_flight += facts.num_tokens
-            if role == "prefill":
+            if worker.role == "prefill":
                 self.prefix.record(worker.url, facts.block_hashes, worker.last_health.get("num_blocks"))
         self.on_change(worker)
-        return worker
 
     def release(self, worker: Worker, facts: PromptFacts | None = None) -> None:
         worker.in_flight -= 1
@@ -167,4 +172,10 @@ class WorkerPool:
     async def poll(self, client: httpx.AsyncClient, headers: dict, interval: float) -> None:
         while True:
             await self.check_all(client, headers)
+            polled, self._polled = self._polled, asyncio.Event()
+            polled.set()
             await asyncio.sleep(interval)
+
+    async def next_poll(self) -> None:
+        """Returns once every worker has been polled again (never, with polling off)."""
+        await self._polled.wait()
