@@ -10,6 +10,8 @@ from pathlib import Path
 
 import httpx
 
+from kvhandoff.bench.command import launch_spec
+
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvhandoff.cli", "bench", *args], capture_output=True, text=True,
@@ -72,6 +74,16 @@ def test_bench_says_what_is_wrong(tmp_path):
     assert r.returncode != 0 and "bad.jsonl:2" in r.stderr and "max_tokens" in r.stderr
     r = bench("--launch", "colocated,sideways", timeout=60)
     assert r.returncode != 0 and "sideways" in r.stderr
+    r = bench("--launch", "push+decode-policy=fastest", timeout=60)
+    assert r.returncode != 0 and "invalid choice: 'fastest'" in r.stderr and "Traceback" not in r.stderr
+    r = bench("--launch", "push+late-binding=yes", timeout=60)
+    assert r.returncode != 0 and "unknown flag 'late-binding=yes'" in r.stderr
+
+
+def test_launch_specs_name_router_flags():
+    assert launch_spec("push+late-binding+decode-policy=load") == ("push", ["--late-binding", "--decode-policy", "load"])
+    assert launch_spec("pull+disagg-min-tokens=64+bidirectional") == \
+        ("pull", ["--disagg-min-tokens", "64", "--bidirectional"])
 
 
 def test_bench_launches_stacks_and_reports_phases(tmp_path):

@@ -14,22 +14,31 @@ from kvhandoff.bench import workload as W
 from kvhandoff.bench.client import completion_body, random_text, stream_completion
 from kvhandoff.bench.harness import Point, run_meta, run_point, write_outputs
 from kvhandoff.bench.meta import log
-from kvhandoff.bench.stack import Stack, stop_on_signal
+from kvhandoff.bench.stack import Stack, cpu_seconds, stop_on_signal
 from kvhandoff.handoff.modes import STACK_MODES
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
-LAUNCH_FLAGS = ("bidirectional", "retry-colocated")
+LAUNCH_FLAGS = ("bidirectional", "retry-colocated", "late-binding")
+LAUNCH_OPTIONS = ("decode-policy", "prefill-policy", "disagg-min-tokens", "health-interval")     # NAME=VALUE
 
 
 def launch_spec(spec: str) -> tuple[str, list[str]]:
-    """'push+bidirectional' -> ('push', ['--bidirectional']): a mode and `kvhandoff up` flags."""
+    """'push+late-binding+decode-policy=load' -> ('push', ['--late-binding', '--decode-policy', 'load']):
+    a mode and `kvhandoff up` flags (their values are checked by `up`'s own parser: cli.cmd_bench)."""
     mode, *flags = spec.split("+")
     if mode not in STACK_MODES:
         raise ValueError(f"unknown mode {mode!r} in --launch {spec!r}; modes: {', '.join(STACK_MODES)}")
-    bad = [f for f in flags if f not in LAUNCH_FLAGS]
-    if bad:
-        raise ValueError(f"unknown flag {bad[0]!r} in --launch {spec!r}; flags: {', '.join(LAUNCH_FLAGS)}")
-    return mode, [f"--{f}" for f in flags]
+    argv = []
+    for flag in flags:
+        name, eq, value = flag.partition("=")
+        if name in LAUNCH_FLAGS and not eq:
+            argv.append(f"--{name}")
+        elif name in LAUNCH_OPTIONS and value:
+            argv += [f"--{name}", value]
+        else:
+            raise ValueError(f"unknown flag {flag!r} in --launch {spec!r}; flags: {', '.join(LAUNCH_FLAGS)}; "
+                             f"options: {', '.join(o + '=VALUE' for o in LAUNCH_OPTIONS)}")
+    return mode, argv
 
 
 class BenchError(Exception):
@@ -86,8 +95,9 @@ def build_workload(args, words_per_token: float, rate: float | None) -> list[W.W
 
 
 async def measure_target(client, args, url: str, mode: str, model: str, cal: dict,
-                         loads: list[tuple[float, float] | None]) -> list[Point]:
-    """One point per load (fraction of capacity, rate in requests/s), or one replayed point (None)."""
+                         loads: list[tuple[float, float] | None], stack: Stack | None = None) -> list[Point]:
+    """One point per load (fraction of capacity, rate in requests/s), or one replayed point (None).
+    A stack we launched also has its processes' CPU time per role measured over each point."""
     points = []
     for load in loads:
         rate = None if load is None else load[1]
@@ -102,7 +112,12 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
         except (httpx.HTTPError, ValueError):
             point.server = None
         log(f"{label}: {len(items)} requests")
+        pids = stack.pids() if stack is not None else []
+        before = cpu_seconds(pids)
         await run_point(client, point, model)
+        if stack is not None:
+            after = cpu_seconds(pids)
+            point.cpu_s = {role: round(after[role] - before.get(role, 0.0), 3) for role in after}
         points.append(point)
     return points
 
@@ -149,7 +164,7 @@ async def amain(args, stacks: list[Stack]) -> int:
                     loads = [(f, f * cap) for f in args.rates]
                 else:
                     loads = [None]
-                points += await measure_target(client, args, url, mode, model, cal, loads)
+                points += await measure_target(client, args, url, mode, model, cal, loads, stack)
             finally:
                 if stack is not None:
                     stack.stop()

@@ -47,6 +47,7 @@ class Point:
     results: list[RequestResult] = field(default_factory=list)
     wall_s: float = 0.0
     server: dict | None = None      # the target's /health when the point started (what it was running)
+    cpu_s: dict[str, float] | None = None   # a launched stack's CPU seconds per role over the point
 
 
 async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None:
@@ -128,6 +129,11 @@ def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpo
                     "share": len(good) / len(rows) if rows else None,
                     "req_s": len(good) / point.wall_s if point.wall_s else None},
         "phases_ms": {p: s for p, s in phases.items() if s["n"]},
+        "cpu_s": point.cpu_s,
+        # What routing costs: the router's CPU per request (its health polls included).
+        "router_cpu_ms_per_request": (1e3 * point.cpu_s["router"] / len(rows)
+                                      if point.cpu_s and "router" in point.cpu_s and rows else None),
+        "moved_late": sum(1 for r in ok if (r["handoff"] or {}).get("rebound_from")),
         "server": point.server,
     }
 
@@ -153,6 +159,15 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
         for s in phased:
             lines.append(f"| {s['label']} | " + " | ".join(fmt(s["phases_ms"].get(p, {}).get("p50")) for p in PHASES)
                          + " |")
+    costed = [s for s in summaries if s.get("cpu_s")]
+    if costed:
+        lines += ["", "CPU seconds per process role over each point (the stack's own processes), and what "
+                  "routing cost per request:", "",
+                  "| point | router ms/request | moved (late binding) | CPU s by role |", "|---|---|---|---|"]
+        for s in costed:
+            by_role = ", ".join(f"{role} {sec:.2f}" for role, sec in sorted(s["cpu_s"].items()))
+            lines.append(f"| {s['label']} | {fmt(s['router_cpu_ms_per_request'], '.2f')} | {s['moved_late']} | "
+                         f"{by_role} |")
     if meta.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"[{name}]({name})" for name in meta["plots"])]
     slo = summaries[0]["goodput"] if summaries else {}

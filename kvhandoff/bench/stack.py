@@ -99,6 +99,25 @@ def stop_on_signal(stacks: Callable[[], Iterable[Stack]]) -> None:
     signal.signal(signal.SIGTERM, interrupted)
 
 
+def cpu_seconds(pids: list[int]) -> dict[str, float]:
+    """CPU time (user + system) of these processes, summed by what each runs: `router`, `prefill`,
+    `decode`, `worker` (colocated) or `up` (the supervisor). A process gone meanwhile is left out."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        role = next((word for word in argv if word in ("router", "serve", "up")), "other")   # the subcommand
+        if role == "serve":
+            role = argv[argv.index("--role") + 1] if "--role" in argv[:-1] else "both"
+            role = "worker" if role == "both" else role
+        out[role] = out.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / ticks    # utime, stime
+    return out
+
+
 def core_wait_ns(pids: list[int]) -> int:
     """Nanoseconds the threads of these processes spent runnable but waiting for a CPU (schedstat):
     their difference over a measurement says whether something else shared the cores."""
