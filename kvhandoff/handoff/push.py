@@ -498,6 +498,8 @@ async def late_bind(attempt, decode: asyncio.Task) -> asyncio.Task:
             polled.cancel()
         if attempt.prefill_task.done() or task_error(decode) is not None:
             return decode
+        if not polled.done() or polled.cancelled():
+            continue        # (the decode leg's answer began) only a poll brings news worth judging by
         move = attempt.fallen_behind()
         if move is None:
             continue
