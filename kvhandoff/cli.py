@@ -282,6 +282,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Workers and router on this machine in one command; Ctrl-C stops them all. Unknown flags are
     passed to every worker."""
     from kvhandoff.serve.launch import LaunchConfig, run
+    from kvhandoff.serve.netlink import LinkSpec
 
     if args.late_binding and not (args.mode != COLOCATED and Mode(args.mode).is_push):
         raise SystemExit(f"kvhandoff up: --late-binding is for the push modes, not {args.mode}")
@@ -289,6 +290,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.extra:
         print(f"kvhandoff up: passing {' '.join(args.extra)} to every worker", flush=True)
     try:
+        link = LinkSpec.parse(args.link) if args.link else None
         router_args = (["--retry-colocated"] if args.retry_colocated else []) + \
                       (["--bidirectional"] if args.bidirectional else []) + \
                       (["--late-binding"] if args.late_binding else []) + \
@@ -299,7 +301,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                            num_prefill=args.prefill, num_decode=args.decode,
                            host=args.host, port=args.port, threads=args.threads, cores=args.cores,
                            log_level=args.log_level, startup_timeout=args.startup_timeout,
-                           max_restarts=args.max_restarts, child_args=parse_child_args(args.worker_args))
+                           max_restarts=args.max_restarts, child_args=parse_child_args(args.worker_args),
+                           link=link)
     except ValueError as e:
         raise SystemExit(f"kvhandoff up: {e}") from None
     return run(cfg)
@@ -488,6 +491,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-args", action="append", default=[], metavar="NAME=FLAGS",
                    help="flags for one worker (prefill-0, decode-1, ...; worker when colocated), repeatable, "
                         "e.g. --worker-args 'decode-1=--inject-faults step_ms=50'")
+    p.add_argument("--link", default=None, metavar="RATE[,DELAY[,JITTER]]",
+                   help="put the decode workers behind an emulated link, e.g. 1gbit,50us: their own network "
+                        "namespace, a veth pair shaped by tc netem each way, KV over tcp; removed when the stack "
+                        "stops (needs root and iproute2)")
     add_policy_args(p)
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a worker that dies is restarted (backoff 1, 2, 4 ... 30 s); one that dies more often "

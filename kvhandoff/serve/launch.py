@@ -18,6 +18,10 @@ workers on 2 cores, prefill on core 0 and decode on core 1), pinned with sched_s
 `--threads` to match, so torch neither oversubscribes nor steals from the neighbour. With fewer cores
 than workers nothing is pinned and each worker gets an equal thread count instead. A colocated worker
 is pinned to all of them (`--cores 0`: colocated on one core, the baseline a 1+1 split is compared to).
+
+`--link RATE[,DELAY[,JITTER]]` puts the decode workers behind an emulated link (netlink.py): they run
+in a network namespace of their own, the prefill workers and the router here, and the KV crosses a
+shaped veth pair over the tcp backend, removed again when the stack stops.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import httpx
 from kvhandoff.handoff.modes import COLOCATED, STACK_MODES
 from kvhandoff.serve.auth import SECRET_ENV
 from kvhandoff.serve.lifeline import child_env
+from kvhandoff.serve.netlink import EmulatedLink, LinkError, LinkSpec
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # before the 1st, 2nd, ... restart within the window
 
@@ -60,6 +65,7 @@ class LaunchConfig:
     max_restarts: int = 5            # a worker dying this often within restart_window is given up
     restart_window: float = 300.0
     child_args: dict[str, list[str]] = field(default_factory=dict)  # flags for one child: {"decode-1": [...]}
+    link: LinkSpec | None = None     # decode workers behind an emulated link (netlink.py)
 
     def __post_init__(self):
         assert self.mode in STACK_MODES, f"mode must be one of {STACK_MODES}"
@@ -69,6 +75,8 @@ class LaunchConfig:
         if unknown:
             raise ValueError(f"--worker-args names {', '.join(unknown)}, but this stack's workers are "
                              f"{', '.join(names)}")
+        if self.link is not None and self.mode == COLOCATED:
+            raise ValueError("--link puts a link between prefill and decode workers; colocated has none")
         if self.max_restarts < 0 or self.restart_window <= 0:
             raise ValueError("--max-restarts must be >= 0 and the restart window > 0")
         if self.cores is not None:
@@ -154,7 +162,7 @@ def kvhandoff_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvhandoff.cli", *args]
 
 
-def plan(cfg: LaunchConfig) -> list[Child]:
+def plan(cfg: LaunchConfig, link: EmulatedLink | None = None) -> list[Child]:
     """The children to start, workers first, each with its command line, URL and cores."""
     cores = sorted(cfg.cores or os.sched_getaffinity(0))
     port = cfg.port or free_port(cfg.host)
@@ -174,11 +182,18 @@ def plan(cfg: LaunchConfig) -> list[Child]:
         threads = cfg.threads or (len(share) if share else max(1, len(cores) // len(names)))
         wport = free_port()
         # Workers bind loopback whatever --host says: only the router is meant to be reached from outside.
+        # Behind an emulated link, each binds its end of it (and the KV goes over tcp, as between hosts).
         role = name.split("-")[0]
         own = cfg.prefill_args if role == "prefill" else cfg.decode_args
-        cmd = kvhandoff_cmd("serve", "--role", role, "--host", "127.0.0.1", "--port", str(wport),
-                            *common, *cfg.worker_args, *own, *cfg.child_args.get(name, []), "--threads", str(threads))
-        children.append(Child(name, cmd, f"http://127.0.0.1:{wport}", share))
+        whost, prefix, over_link = "127.0.0.1", [], []
+        if link is not None:
+            whost = link.far_addr if role == "decode" else link.near_addr
+            prefix = link.prefix if role == "decode" else []
+            over_link = ["--kv-backend", "tcp"]
+        cmd = prefix + kvhandoff_cmd("serve", "--role", role, "--host", whost, "--port", str(wport), *common,
+                                     *cfg.worker_args, *own, *cfg.child_args.get(name, []), *over_link,
+                                     "--threads", str(threads))
+        children.append(Child(name, cmd, f"http://{whost}:{wport}", share))
     urls = lambda role: ",".join(c.url for c in children if c.name.startswith(role))
     children.append(Child("router", kvhandoff_cmd("router", "--prefill", urls("prefill"), "--decode", urls("decode"),
                                                   "--mode", cfg.mode, "--host", cfg.host, "--port", str(port),
@@ -314,10 +329,15 @@ def stop(children: list[Child], timeout: float) -> None:
 
 
 def run(cfg: LaunchConfig) -> int:
-    children = plan(cfg)
+    link = EmulatedLink(cfg.link) if cfg.link is not None else None
+    children: list[Child] = []
     # $KVHANDOFF_SECRET if set, so workers started by hand can join later (`kvhandoff workers add`).
     env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(32), "PYTHONUNBUFFERED": "1"}
     try:
+        if link is not None:
+            link.up()
+            print(f"kvhandoff up: {link.describe()}", flush=True)
+        children = plan(cfg, link)
         for child in children:
             spawn(child, env)
             print(f"kvhandoff up: started {child.describe()}", flush=True)
@@ -326,9 +346,12 @@ def run(cfg: LaunchConfig) -> int:
         print(f"kvhandoff up: {e}; stopping the others (its output is above, prefixed [{e.child.name}])",
               flush=True)
         return 1
-    except (TimeoutError, StackDown) as e:
+    except (TimeoutError, StackDown, LinkError) as e:
         print(f"kvhandoff up: {e}; stopping everything", flush=True)
         return 1
     finally:
         stop(children, cfg.stop_timeout)
+        if link is not None:
+            link.down()
+            print(f"kvhandoff up: removed the emulated link (namespace {link.ns})", flush=True)
         print("kvhandoff up: stopped", flush=True)
