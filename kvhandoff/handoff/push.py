@@ -20,7 +20,7 @@ deadlock that the ttl breaks, and a keep-alive for queued prompts would keep it 
 
 Late binding (router --late-binding): while the prompt is still being computed, the router may move
 the handoff to another decode worker (POST /kv/rebind with the next `binding` number). Under the
-job's lock, and only while no WRITE has started (for push-layerwise: no layer WRITE queued), the
+job's lock, and only while no WRITE has started (push-layerwise: no layer computed for it yet), the
 registration is withdrawn and the decode worker that made it is told (Withdrawn: no WRITE will land
 in its blocks, so it frees them at once); from then on only a registration of the new binding is
 taken, and a Cancel from the decode worker moved away from no longer speaks for the handoff.
@@ -47,10 +47,9 @@ from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.handoff import messages as M
 from kvhandoff.handoff.reuse import FetchingPrefill, ReusePrefill
 from kvhandoff.handoff.runtime import DecodeSide, HandoffError, Incoming, Runtime, ms, prompt_hash
-
-MOVED = "handoff_moved"     # the error code of a registration refused because the handoff moved on
 from kvhandoff.transfer.errors import TransferError
 
+MOVED = "handoff_moved"     # the error code of a registration refused because the handoff moved on
 log = logging.getLogger("kvhandoff.handoff")
 router_log = logging.getLogger("kvhandoff.router")      # the router leg's lines, in the router's log
 
@@ -510,7 +509,7 @@ async def late_bind(attempt, decode: asyncio.Task) -> asyncio.Task:
             router_log.info("handoff %s: %s fell behind, but stays: %s", attempt.handoff_id, attempt.decode, refused)
             return decode
         router_log.info("handoff %s: %s fell behind (expected wait %.0f ms against %.0f); moved to %s",
-                 attempt.handoff_id, attempt.decode, here, there, target)
+                        attempt.handoff_id, attempt.decode, here, there, target)
         return await attempt.move_decode(target, decode)
 
 
