@@ -3,7 +3,7 @@
     python -m kvhandoff.bench.disagg [--model smollm2] [--modes pull,pull-reader,push,push-layerwise]
         [--lengths 1024,2048] [--output-tokens 128] [--repeats 5]
         [--loaded-requests 32] [--load 0.7] [--loaded-min 256] [--loaded-max 2048]
-        [--skip-isolated] [--skip-loaded] [--out DIR]
+        [--links free,1gbit,200mbit] [--skip-isolated] [--skip-loaded] [--out DIR]
 
 Two experiments, each over real stacks started with `kvhandoff up` and measured over HTTP only (TTFT as
 the client sees it; the server's `handoff.phases_ms` explain it):
@@ -14,6 +14,9 @@ isolated  one request at a time, --lengths prompts, --output-tokens tokens each 
           (A B C .., B C .. A, ...) so drift hits every stack alike; each round sends every stack the same
           fresh prompt (distinct per round: no prefix-cache hit), so outputs are compared across stacks.
           Medians of --repeats rounds; ratios are medians of per-round ratios to colocated.
+          --links: every mode also behind each emulated link named (`kvhandoff up --link`, root needed;
+          stacks MODE@LINK), measured in the same rotation: what each order of handoff pays when moving
+          the KV costs a visible part of the prefill, against the same mode over the free link.
 loaded    Poisson arrivals at --load x the colocated TWO-core capacity (measured here: a burst of
           requests, completed / makespan), prompt lengths uniform in [--loaded-min, --loaded-max], the
           same arrival schedule and prompts for every stack: TTFT and TPOT p50/p90 per mode against
@@ -49,12 +52,15 @@ from kvhandoff.bench.meta import cpu_model, fmt, git_commit, log
 from kvhandoff.bench.stack import Stack, core_wait_ns, stop_on_signal
 from kvhandoff.handoff.messages import PHASES
 from kvhandoff.handoff.modes import COLOCATED, NAMES, Mode
+from kvhandoff.serve.netlink import LinkSpec
 
 DISAGG_MODES = NAMES
 BASELINE_1CORE, BASELINE_2CORE = "colocated-1core", "colocated-2core"
 # Goals of issue 4 (isolated requests).
 GOAL_LAYERWISE_TTFT_X = 1.10      # push-layerwise TTFT <= 1.10x colocated-one-core
 GOAL_HANDOFF_SHARE = 0.05         # handoff_wait + transfer < 5% of TTFT for push-layerwise
+GOAL_LINK_TTFT_X = 1.05           # issue 14: push-layerwise TTFT behind a slow link <= 1.05x its free-link TTFT
+FREE = "free"                     # --links: no emulated link (shared memory on one host)
 BUSY_WAIT_SHARE = 0.05            # threads that waited for a core longer than this share of a request: busy
 
 
@@ -80,8 +86,8 @@ class Bench:
     words_per_token: float = 1.0
     stacks: dict[str, Stack] = field(default_factory=dict)
 
-    def stack(self, name: str, mode: str, cores: str) -> Stack:
-        args = ["--model", self.args.model, *self.args.worker_args]
+    def stack(self, name: str, mode: str, cores: str, *extra: str) -> Stack:
+        args = ["--model", self.args.model, *self.args.worker_args, *extra]
         stack = Stack(name, mode, cores, args, self.args.out / "logs" / f"{name}.log")
         self.stacks[name] = stack
         return stack
@@ -129,7 +135,8 @@ async def calibrate(bench: Bench, client: httpx.AsyncClient, stack: Stack) -> No
 
 async def run_isolated(bench: Bench, client: httpx.AsyncClient) -> list[Sample]:
     args = bench.args
-    names = [BASELINE_1CORE, *args.modes]
+    names = [BASELINE_1CORE, *args.modes,
+             *(f"{m}@{link}" for link in args.links if link != FREE for m in args.modes)]
     stacks = [bench.stacks[n] for n in names]
     log("warm-up: one short and one long request per stack")
     for stack in stacks:
@@ -148,7 +155,7 @@ async def run_isolated(bench: Bench, client: httpx.AsyncClient) -> list[Sample]:
             for stack in order:
                 result, loadavg, wait = await measure(client, stack, body)
                 samples.append(Sample(stack.name, rnd, length, result, loadavg, wait))
-                log(f"[{len(samples)}/{total}] round {rnd} {length:>5} tok {stack.name:<16} "
+                log(f"[{len(samples)}/{total}] round {rnd} {length:>5} tok {stack.name:<24} "
                     + (f"TTFT {result.ttft_ms:8.1f} ms  TPOT {result.tpot_ms:6.2f} ms  load {loadavg:.2f}"
                        if result.ok and result.tpot_ms else f"FAILED: {result.error}"))
     return samples
@@ -202,6 +209,18 @@ def isolated_goals(summary: dict) -> list[dict]:
                     row["tpot_x_colocated"] <= 1.02)
         if push and pull and push["ttft_ms"] and pull["ttft_ms"]:
             add("push TTFT / pull TTFT", push["ttft_ms"] / pull["ttft_ms"], 1.0, push["ttft_ms"] <= pull["ttft_ms"])
+        for name, row in rows.items():         # behind an emulated link, against the same mode on the free one
+            mode, _, link = name.partition("@")
+            free = rows.get(mode)
+            if not link or not free or not row["ttft_ms"] or not free["ttft_ms"]:
+                continue
+            if mode == Mode.PUSH_LAYERWISE:
+                x = row["ttft_ms"] / free["ttft_ms"]
+                add(f"{name} TTFT / {mode} TTFT", x, GOAL_LINK_TTFT_X, x <= GOAL_LINK_TTFT_X)
+            if row["bytes_transferred"] and row["phases_ms"]["transfer"] is not None:
+                link_ms = row["bytes_transferred"] * 8 / LinkSpec.parse(link).bits_per_s * 1e3
+                add(f"{name} transfer phase / (bytes / link rate)", row["phases_ms"]["transfer"] / link_ms, 1.0,
+                    None)
     return goals
 
 
@@ -312,13 +331,13 @@ def med(values: list) -> float | None:
 
 def print_isolated(summary: dict, goals: list[dict]) -> None:
     print("\nIsolated requests (one at a time): medians; x = median of per-round ratios to colocated-1core")
-    head = (f"{'prompt':>6} {'stack':<16} {'TTFT ms':>8} {'x':>5} {'TPOT ms':>7} {'x':>5} "
+    head = (f"{'prompt':>6} {'stack':<24} {'TTFT ms':>8} {'x':>5} {'TPOT ms':>7} {'x':>5} "
             + " ".join(f"{p[:12]:>12}" for p in PHASES) + f" {'KV MiB':>6} {'same':>5} {'wait':>5}")
     print(head + "\n" + "-" * len(head))
     for length, rows in summary.items():
         for name, r in rows.items():
             kib = r["bytes_transferred"] / 2**20 if r["bytes_transferred"] else None
-            print(f"{round(r['prompt_tokens'] or int(length)):>6} {name:<16} {fmt(r['ttft_ms']):>8} "
+            print(f"{round(r['prompt_tokens'] or int(length)):>6} {name:<24} {fmt(r['ttft_ms']):>8} "
                   f"{fmt(r['ttft_x_colocated'], '.3f'):>5} {fmt(r['tpot_ms'], '.2f'):>7} "
                   f"{fmt(r['tpot_x_colocated'], '.3f'):>5} "
                   + " ".join(f"{fmt(r['phases_ms'][p], '.1f'):>12}" for p in PHASES)
@@ -330,8 +349,8 @@ def print_isolated(summary: dict, goals: list[dict]) -> None:
           f"  above {BUSY_WAIT_SHARE:.0%} something else probably shared the cores (see loadavg in the JSON).")
     print()
     for g in goals:
-        print(f"  {g['length']:>5} tok  {g['goal']:<50} {g['value']:7.3f}  target {g['target']:.2f}  "
-              f"{'met' if g['met'] else 'NOT met'}")
+        verdict = "" if g["met"] is None else "met" if g["met"] else "NOT met"
+        print(f"  {g['length']:>5} tok  {g['goal']:<60} {g['value']:7.3f}  target {g['target']:.2f}  {verdict}")
 
 
 def print_loaded(meta: dict, summary: dict) -> None:
@@ -363,6 +382,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=0.7, help="fraction of colocated-2core capacity")
     p.add_argument("--loaded-min", type=int, default=256)
     p.add_argument("--loaded-max", type=int, default=2048)
+    p.add_argument("--links", default=FREE, metavar="LINK[,LINK...]",
+                   help="isolated run: every mode also behind these emulated links, e.g. free,1gbit,200mbit "
+                        "(kvhandoff up --link; needs root) (default: %(default)s)")
     p.add_argument("--skip-isolated", action="store_true")
     p.add_argument("--skip-loaded", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -372,6 +394,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    args.links = [x.strip() for x in args.links.split(",") if x.strip()] or [FREE]
+    for link in args.links:
+        if link != FREE:
+            try:
+                LinkSpec.parse(link)
+            except ValueError as exc:
+                p.error(str(exc))
     if unknown := set(args.modes) - set(DISAGG_MODES):
         p.error(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(DISAGG_MODES)}")
     if args.output_tokens < 2 or args.repeats < 1 or not args.lengths:
@@ -384,26 +413,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def amain(bench: Bench) -> dict:
     args = bench.args
     report = {"meta": {"model": args.model, "modes": args.modes, "output_tokens": args.output_tokens,
-                       "lengths": args.lengths, "repeats": args.repeats, "seed": args.seed,
+                       "lengths": args.lengths, "repeats": args.repeats, "seed": args.seed, "links": args.links,
                        "worker_args": args.worker_args, "git_commit": git_commit(), "cpu": cpu_model(),
                        "cores": sorted(os.sched_getaffinity(0)), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "pinning": "colocated-1core: core 0, 1 thread; colocated-2core: cores 0-1, 2 threads; "
                                   "disaggregated: prefill core 0, decode core 1, 1 thread each; routers unpinned"}}
     args.out.mkdir(parents=True, exist_ok=True)
     disagg = [bench.stack(m, m, "0,1") for m in args.modes]
+    linked = [bench.stack(f"{m}@{link}", m, "0,1", "--link", link)
+              for link in args.links if link != FREE for m in args.modes] if not args.skip_isolated else []
     samples: list[Sample] = []
     timeout = httpx.Timeout(connect=10.0, read=600.0, write=60.0, pool=None)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         try:
             if not args.skip_isolated:
                 one_core = bench.stack(BASELINE_1CORE, COLOCATED, "0")
-                start_stacks([one_core, *disagg])
+                start_stacks([one_core, *disagg, *linked])
                 bench.model = one_core.model_name()
                 await calibrate(bench, client, one_core)
                 iso = await run_isolated(bench, client)
                 samples += iso
                 one_core.stop()
-                names = [BASELINE_1CORE, *args.modes]
+                for stack in linked:            # the loaded run is on the free link only
+                    stack.stop()
+                names = [BASELINE_1CORE, *args.modes, *(s.name for s in linked)]
                 report["isolated"] = summarize_isolated(iso, names, args.lengths)
                 report["isolated_goals"] = isolated_goals(report["isolated"])
                 print_isolated(report["isolated"], report["isolated_goals"])
