@@ -412,6 +412,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """A calibrated model of a disaggregated fleet: fitted on a `kvhandoff bench` run, shown to reproduce
+    it, then run on fleets and rates this machine cannot host (kvhandoff/sim/command.py)."""
+    from kvhandoff.sim.command import main
+    return main(args)
+
+
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     """Data-plane throughput and latency per backend, next to memcpy and a raw loopback sendmsg stream."""
     import json
@@ -565,6 +572,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="smollm2 (about 6 minutes here) or tiny (seconds)")
     p.add_argument("--out", type=Path, default=Path("demo-out"), help="(default: %(default)s)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("simulate", help="a calibrated discrete-event model of a fleet, fitted on a bench run",
+                       description=cmd_simulate.__doc__)
+    from kvhandoff.sim.command import add_args as add_simulate_args
+    add_simulate_args(p)
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("bench-transfer", help="measure the KV transfer backends (GB/s and 4 KiB latency)",
                        description=cmd_bench_transfer.__doc__)

@@ -46,6 +46,7 @@ class Point:
     items: list[WorkItem]
     results: list[RequestResult] = field(default_factory=list)
     wall_s: float = 0.0
+    started_at: float = 0.0         # perf_counter when its first item was due
     server: dict | None = None      # the target's /health when the point started (what it was running)
     cpu_s: dict[str, float] | None = None   # a launched stack's CPU seconds per role over the point
 
@@ -55,7 +56,7 @@ async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None
     results: list[RequestResult | None] = [None] * len(point.items)
     answered = [asyncio.Event() for _ in point.items]
     histories: list[list[dict] | None] = [None] * len(point.items)
-    t0 = time.perf_counter()
+    t0 = point.started_at = time.perf_counter()
     done = 0
     bar = tqdm(total=len(point.items), desc=point.label, unit="req", file=sys.stderr, disable=None, leave=True)
 
@@ -99,7 +100,8 @@ def result_row(point: Point, index: int, item: WorkItem, r: RequestResult) -> di
     itl = [b - a for a, b in zip(r.token_times_ms, r.token_times_ms[1:])]
     return {"point": point.label, "mode": point.mode, "rate": point.rate, "index": index,
             "target_tokens": item.target_tokens, "session_id": item.session_id, **item.tags,
-            "ok": r.ok, "error": r.error, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+            "ok": r.ok, "error": r.error, "sent_s": round(r.sent_at - point.started_at, 6) if r.sent_at else None,
+            "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
             "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms, "e2e_ms": r.e2e_ms,
             "itl_ms": [round(x, 3) for x in itl], "timings": r.timings, "handoff": r.handoff}
 

@@ -284,6 +284,7 @@ class Router:
         body = {"status": "error" if missing else "ok", "role": "router", "mode": self.mode.value,
                 "decode_policy": self.config.decode_policy.value, "prefill_policy": self.config.prefill_policy.value,
                 "disagg_min_tokens": self.config.disagg_min_tokens, "late_binding": self.config.late_binding,
+                "health_interval": self.config.health_interval,
                 "num_in_flight": self.num_in_flight, "workers": reports}
         if missing:
             body["error"] = f"no healthy {' or '.join(missing)} worker"

@@ -1,0 +1,171 @@
+"""What each phase costs, fitted from a real `kvhandoff bench` run (its results.jsonl and summary.json),
+never from the engine: the simulator reads bench results only.
+
+From one measured point of a disaggregated stack:
+- prefill: `prefill_compute` ms as a linear function of the tokens the prefill worker computed
+  (prompt tokens less the reused ones);
+- transfer: the `transfer` phase as a linear function of the bytes moved;
+- decode: per decode worker, ms per step as a linear function of the sequences it stepped with. A
+  request's TPOT is its mean step time; the sequences beside it are counted from the other requests'
+  decode windows on the same worker (the client-side timestamps), averaged over its own window;
+- fixed costs: the median `prefill_queue` of requests that found their prefill worker idle (HTTP and
+  admission: what a request waits even with nobody ahead of it), the median of `handoff_wait`, and
+  per decode worker the median of what the first token
+  takes beyond the phases (HTTP hops, the decode worker emitting the token it was handed: a slow
+  worker emits it a step later);
+- the workload's shape: prompt and output lengths as sampled, bytes of KV per prompt token;
+- the spread around those lines, as measured: per request, its prefill time less the fitted one (a
+  busy core adds milliseconds, not percent), its TPOT over the fitted one (a ratio: it scales every
+  step), and what its first token took beyond the phases; the simulator draws from
+  these, seeded, so that it reproduces percentiles and medians of mixtures, not just the lines;
+- the fleet: its prefill and decode workers, decode policy, late binding and poll interval, as the
+  router's /health reported them when the point started.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Linear:
+    """y = a + b x, both at least 0 (a cost that falls with size is noise, not a cost)."""
+    a: float
+    b: float
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+    @classmethod
+    def fit(cls, xs: list[float], ys: list[float]) -> "Linear":
+        """Theil-Sen: the median of the pairwise slopes, then the median intercept. A few slow
+        requests (a warm-up, a busy moment) would drag a least-squares line off the typical one,
+        and the simulator has to reproduce medians."""
+        if not ys:
+            return cls(0.0, 0.0)
+        pairs = sorted(zip(xs, ys))[:: max(1, len(xs) // 300)]      # (O(n^2) pairs: at most ~45k)
+        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pairs) for x2, y2 in pairs[i + 1:] if x2 != x1]
+        b = max(0.0, statistics.median(slopes)) if slopes else 0.0
+        a = statistics.median(y - b * x for x, y in zip(xs, ys))
+        if a < 0:                               # through the origin instead
+            a, b = 0.0, statistics.median(y / x for x, y in zip(xs, ys) if x > 0)
+        return cls(a, b)
+
+
+@dataclass
+class Costs:
+    label: str                               # the bench point it was fitted on
+    mode: str                                # pull, pull-reader, push, push-layerwise
+    prefill_ms: Linear                       # per computed prompt tokens
+    transfer_ms: Linear                      # per MiB moved
+    step_ms: dict[str, Linear]               # decode worker URL -> ms per step, per sequence in its batch
+    handoff_wait_ms: float
+    admission_ms: float                      # prefill_queue with nobody ahead
+    first_token_ms: dict[str, list[float]]   # decode worker URL -> TTFT beyond the phases, as measured
+    kv_bytes_per_token: float
+    prefill_workers: list[str]
+    decode_workers: list[str]
+    decode_policy: str = "fewest-in-flight"
+    late_binding: bool = False
+    poll_s: float = 1.0
+    prompt_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    prefill_spread: list[float] = field(default_factory=list)           # measured - fitted prefill_compute, ms
+    step_spread: dict[str, list[float]] = field(default_factory=dict)    # decode worker URL -> TPOT / fitted
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def load_run(run: Path) -> tuple[dict, list[dict]]:
+    """(summary.json, results.jsonl rows) of a bench run's --out folder; ValueError saying what is missing."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+        rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{run} is not a kvhandoff bench output folder (summary.json, results.jsonl): {exc}") from None
+    return summary, rows
+
+
+def phase(row: dict, name: str) -> float | None:
+    return ((row.get("handoff") or {}).get("phases_ms") or {}).get(name)
+
+
+def usable(row: dict) -> bool:
+    """A successful request with a remote handoff, every phase and the client's timestamps."""
+    h = row.get("handoff") or {}
+    return (row["ok"] and row.get("sent_s") is not None and row.get("tpot_ms") is not None
+            and h.get("kv_source") == "remote"
+            and all(phase(row, p) is not None for p in ("prefill_queue", "prefill_compute", "transfer")))
+
+
+def batch_sizes(rows: list[dict]) -> list[float]:
+    """Per row: the sequences its decode worker stepped with on average during its decode window."""
+    windows = [(r["handoff"]["decode_worker"], r["sent_s"] + r["ttft_ms"] / 1e3, r["sent_s"] + r["e2e_ms"] / 1e3)
+               for r in rows]
+    sizes = []
+    for worker, start, end in windows:
+        span = max(end - start, 1e-9)
+        beside = sum(max(0.0, min(end, e) - max(start, s)) for w, s, e in windows if w == worker) / span
+        sizes.append(beside)                 # (its own window counts once: itself)
+    return sizes
+
+
+def admission(rows: list[dict]) -> float:
+    """The median prefill_queue of the requests that arrived while no other was being prefilled (all of
+    them if none did): the queue phase's fixed part."""
+    spans = [(r["sent_s"] + phase(r, "prefill_queue") / 1e3,
+              r["sent_s"] + (phase(r, "prefill_queue") + phase(r, "prefill_compute")) / 1e3) for r in rows]
+    idle = [phase(r, "prefill_queue") for i, r in enumerate(rows)
+            if not any(s <= r["sent_s"] < e for j, (s, e) in enumerate(spans) if j != i)]
+    return statistics.median(idle or [phase(r, "prefill_queue") for r in rows])
+
+
+def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
+    """Costs from one point of the run (`label`; default: the first disaggregated one)."""
+    points = {p["label"]: p for p in summary["points"]}
+    if label is None:
+        label = next((p["label"] for p in summary["points"] if p.get("phases_ms", {}).get("transfer")), None)
+        if label is None:
+            raise ValueError("no point of this run has handoff phases: calibrate on a disaggregated stack")
+    if label not in points:
+        raise ValueError(f"no point {label!r} in this run; points: {', '.join(points)}")
+    mine = [r for r in rows if r["point"] == label and usable(r)]
+    if len(mine) < 8:
+        raise ValueError(f"point {label!r} has {len(mine)} usable requests; at least 8 are needed to fit costs")
+    server = points[label].get("server") or {}
+    workers = server.get("workers") or []
+    prefill = [w["url"] for w in workers if w.get("role") == "prefill"] or \
+        sorted({r["handoff"]["prefill_worker"] for r in mine})
+    decode = [w["url"] for w in workers if w.get("role") == "decode"] or \
+        sorted({r["handoff"]["decode_worker"] for r in mine})
+    computed = [r["prompt_tokens"] - (r["handoff"].get("reused_tokens") or 0) for r in mine]
+    mib = [(r["handoff"].get("bytes_transferred") or 0) / 2**20 for r in mine]
+    sizes = batch_sizes(mine)
+    steps = {}
+    for url in decode:
+        on = [(b, r["tpot_ms"]) for b, r in zip(sizes, mine) if r["handoff"]["decode_worker"] == url]
+        steps[url] = Linear.fit([b for b, _ in on], [t for _, t in on])
+    beyond = {url: [r["ttft_ms"] - sum(phase(r, p) or 0 for p in ("prefill_queue", "prefill_compute",
+                                                                   "handoff_wait", "transfer"))
+                    for r in mine if r["handoff"]["decode_worker"] == url] for url in decode}
+    typical = [statistics.median(v for values in beyond.values() for v in values)]
+    prefill_ms = Linear.fit(computed, [phase(r, "prefill_compute") for r in mine])
+    spread = {url: [r["tpot_ms"] / steps[url](b) for b, r in zip(sizes, mine)
+                    if r["handoff"]["decode_worker"] == url and steps[url](b) > 0] or [1.0] for url in decode}
+    return Costs(
+        label=label, mode=mine[0]["handoff"]["mode"],
+        prefill_ms=prefill_ms,
+        transfer_ms=Linear.fit(mib, [phase(r, "transfer") for r in mine]), step_ms=steps,
+        handoff_wait_ms=statistics.median(phase(r, "handoff_wait") or 0 for r in mine), admission_ms=admission(mine),
+        first_token_ms={url: [max(0.0, x) for x in (v or typical)] for url, v in beyond.items()},
+        prefill_spread=[phase(r, "prefill_compute") - prefill_ms(n) for r, n in zip(mine, computed)],
+        step_spread=spread,
+        kv_bytes_per_token=statistics.median((r["handoff"].get("bytes_transferred") or 0) / max(1, n)
+                                             for r, n in zip(mine, computed)),
+        prefill_workers=prefill, decode_workers=decode,
+        decode_policy=server.get("decode_policy", "fewest-in-flight"), late_binding=bool(server.get("late_binding")),
+        poll_s=float(server.get("health_interval") or 1.0),
+        prompt_tokens=[r["prompt_tokens"] for r in mine], output_tokens=[r["output_tokens"] for r in mine])

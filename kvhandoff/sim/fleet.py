@@ -1,0 +1,250 @@
+"""A discrete-event model of a disaggregated fleet: P prefill and D decode workers behind a router,
+each phase costing what calibrate.py fitted from a real run. Deterministic under a seed (heapq, one
+random.Random). What it models, and what it leaves out:
+
+- arrivals go to the prefill worker with the fewest requests (the router's default), where they queue
+  after the fitted admission time (HTTP, admission: paid with nobody ahead too); it computes prompts
+  one at a time, first come first served (the engine batches prompt chunks: close enough
+  while prompts are not much shorter than its token budget);
+- the decode worker is chosen by the run's decode policy (round-robin, fewest-in-flight, load) at
+  arrival (push: early binding) or when the prompt is computed (pull: late binding); with late
+  binding (push) a request is moved once at a poll that finds its worker fallen behind, before its
+  prompt is computed. `load` and late binding read a snapshot taken every poll interval, as the
+  router does; the router's own in-flight counts are exact;
+- after the prompt: handoff_wait (median), the transfer (fitted on bytes; links are not shared, so
+  concurrent transfers do not slow each other), then the first token reaches the client after its
+  decode worker's fitted delay, and from then on the request is in that worker's batch;
+- a decode worker steps while it has sequences, each step costing its fitted time at that batch
+  size, one token per sequence per step; a worker of a scaled fleet takes the costs of the real
+  worker at its index modulo the real count (a slow one stays slow, in the same share);
+- the spread the calibration run measured is drawn per request (seeded): its prefill time is the
+  fitted one plus a measured residual, its TPOT the fitted one times a measured ratio, its first
+  token's delay a measured one. (A
+  request's drawn TPOT ratio stretches its own timeline only: its seat in the batch frees when the
+  fitted steps are done, so the batch dynamics stay the fitted ones.)
+"""
+from __future__ import annotations
+
+import heapq
+import random
+import statistics
+from dataclasses import dataclass, field
+
+from kvhandoff.sim.calibrate import Costs, Linear
+
+LATE_BINDING_MARGIN = 1.5        # as the router's policies.LATE_BINDING_MARGIN
+POLICIES = ("round-robin", "fewest-in-flight", "load")
+BINDINGS = ("early", "late", "late-bound")
+
+
+@dataclass
+class Job:
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    prefill: int = -1
+    decode: int = -1
+    moved_from: int | None = None
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+    landed: float = 0.0
+    first_token: float = 0.0
+    end: float = 0.0
+    steps_left: int = 0
+    tpot_scale: float = 1.0
+
+    def report(self, costs: Costs) -> dict:
+        tpot = (self.end - self.first_token) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+        return {"index": self.index, "arrival_s": self.arrival_s, "prompt_tokens": self.prompt_tokens,
+                "output_tokens": self.output_tokens, "prefill_worker": self.prefill, "decode_worker": self.decode,
+                "moved_from": self.moved_from,
+                "ttft_ms": 1e3 * (self.first_token - self.arrival_s), "tpot_ms": None if tpot is None else 1e3 * tpot,
+                "phases_ms": {"prefill_queue": 1e3 * (self.prefill_start - self.arrival_s),
+                              "prefill_compute": 1e3 * (self.prefill_end - self.prefill_start),
+                              "handoff_wait": costs.handoff_wait_ms,
+                              "transfer": 1e3 * (self.landed - self.prefill_end) - costs.handoff_wait_ms}}
+
+
+@dataclass
+class Decoder:
+    step: Linear
+    first_token_ms: list[float]      # landed -> the first token at the client, as measured
+    spread: list[float]              # TPOT / fitted TPOT, as measured
+    running: list[Job] = field(default_factory=list)
+    joining: list[Job] = field(default_factory=list)
+    stepping: bool = False
+    in_flight: int = 0               # the router's count: bound here, not finished
+    snapshot: tuple[float, int] = (0.0, 0)     # (step ms, sequences) at the last poll
+    routed_since_poll: int = 0
+
+
+class Fleet:
+    def __init__(self, costs: Costs, num_prefill: int, num_decode: int, policy: str | None = None,
+                 binding: str | None = None, poll_s: float | None = None, seed: int = 0):
+        self.costs = costs
+        self.policy = policy or costs.decode_policy
+        mode_binding = "late" if costs.mode.startswith("pull") else ("late-bound" if costs.late_binding else "early")
+        self.binding = binding or mode_binding          # early (push), late (pull), late-bound (push + moves)
+        assert self.binding in BINDINGS and self.policy in POLICIES, (self.binding, self.policy)
+        self.poll_s = poll_s or costs.poll_s
+        self.rng = random.Random(seed)
+        real = [(costs.step_ms[url], costs.first_token_ms[url], costs.step_spread.get(url) or [1.0])
+                for url in costs.decode_workers]
+        self.decoders = [Decoder(*real[i % len(real)]) for i in range(num_decode)]
+        self.prefill_queues: list[list[Job]] = [[] for _ in range(num_prefill)]
+        self.prefill_busy = [False] * num_prefill
+        self.events: list = []
+        self.seq = 0
+        self.turn = 0
+        self.now = 0.0
+
+    # -- the event queue ----------------------------------------------------------------------------
+    def at(self, t: float, fn, *args) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, fn, args))
+
+    def run(self, jobs: list[Job]) -> list[dict]:
+        for job in jobs:
+            self.at(job.arrival_s, self.arrive, job)
+        self.at(0.0, self.poll)
+        self.pending = len(jobs)
+        while self.events and self.pending:
+            self.now, _, fn, args = heapq.heappop(self.events)
+            fn(*args)
+        return [job.report(self.costs) for job in jobs]
+
+    # -- the router ----------------------------------------------------------------------------------
+    def wait(self, d: Decoder, joining: int = 1) -> float:
+        step_ms, seqs = d.snapshot
+        return (step_ms or self.typical_step()) * (joining + seqs + d.routed_since_poll)
+
+    def typical_step(self) -> float:
+        known = [d.snapshot[0] for d in self.decoders if d.snapshot[0]]
+        return statistics.median(known) if known else 1.0
+
+    def pick_decode(self) -> int:
+        n = len(self.decoders)
+        order = [(self.turn + i) % n for i in range(n)]
+        if self.policy == "round-robin":
+            key = lambda i: 0
+        elif self.policy == "load":
+            key = lambda i: self.wait(self.decoders[i])
+        else:
+            key = lambda i: (self.decoders[i].in_flight, self.decoders[i].snapshot[1])
+        chosen = min(order, key=key)
+        self.turn = (chosen + 1) % n
+        return chosen
+
+    def bind(self, job: Job, index: int) -> None:
+        job.decode = index
+        self.decoders[index].in_flight += 1
+        self.decoders[index].routed_since_poll += 1
+
+    def poll(self) -> None:
+        for d in self.decoders:
+            batch = len(d.running) + len(d.joining)
+            d.snapshot = (d.step(max(1, batch)) if batch else d.snapshot[0] or d.step(1), batch)
+            d.routed_since_poll = 0
+        if self.binding == "late-bound":
+            for queue in self.prefill_queues:
+                for job in queue:                    # bound, prompt not computed yet: no WRITE started
+                    self.maybe_move(job)
+        self.at(self.now + self.poll_s, self.poll)
+
+    def maybe_move(self, job: Job) -> None:
+        if job.moved_from is not None or job.decode < 0:
+            return
+        here = self.decoders[job.decode]
+        others = [i for i in range(len(self.decoders)) if i != job.decode]
+        if not others:
+            return
+        best = min(others, key=lambda i: self.wait(self.decoders[i]))
+        here_wait, there = self.wait(here, joining=0), self.wait(self.decoders[best])
+        if here_wait > LATE_BINDING_MARGIN * there and here_wait - there > self.typical_step():
+            here.in_flight -= 1
+            job.moved_from = job.decode
+            self.bind(job, best)
+
+    # -- prefill -------------------------------------------------------------------------------------
+    def arrive(self, job: Job) -> None:
+        job.prefill = min(range(len(self.prefill_queues)),
+                          key=lambda i: (len(self.prefill_queues[i]) + self.prefill_busy[i], i))
+        if self.binding != "late":
+            self.bind(job, self.pick_decode())
+        self.at(self.now + self.costs.admission_ms / 1e3, self.admitted, job)
+
+    def admitted(self, job: Job) -> None:
+        self.prefill_queues[job.prefill].append(job)
+        self.start_prefill(job.prefill)
+
+    def start_prefill(self, p: int) -> None:
+        if self.prefill_busy[p] or not self.prefill_queues[p]:
+            return
+        job = self.prefill_queues[p].pop(0)
+        self.prefill_busy[p] = True
+        job.prefill_start = self.now
+        compute_ms = max(0.0, self.costs.prefill_ms(job.prompt_tokens) + self.rng.choice(self.costs.prefill_spread or [0.0]))
+        self.at(self.now + compute_ms / 1e3, self.prefilled, job)
+
+    def prefilled(self, job: Job) -> None:
+        job.prefill_end = self.now
+        self.prefill_busy[job.prefill] = False
+        self.start_prefill(job.prefill)
+        if self.binding == "late":
+            self.bind(job, self.pick_decode())
+        mib = job.prompt_tokens * self.costs.kv_bytes_per_token / 2**20
+        landed = self.now + (self.costs.handoff_wait_ms + self.costs.transfer_ms(mib)) / 1e3
+        self.at(landed, self.land, job)
+
+    # -- decode --------------------------------------------------------------------------------------
+    def land(self, job: Job) -> None:
+        job.landed = self.now
+        d = self.decoders[job.decode]
+        job.tpot_scale = self.rng.choice(d.spread)
+        self.at(self.now + self.rng.choice(d.first_token_ms) / 1e3, self.first, job)
+
+    def first(self, job: Job) -> None:
+        job.first_token = self.now
+        job.steps_left = job.output_tokens - 1
+        d = self.decoders[job.decode]
+        if job.steps_left <= 0:
+            self.finish(d, job, self.now)
+            return
+        d.joining.append(job)
+        if not d.stepping:
+            self.step(d)
+
+    def step(self, d: Decoder) -> None:
+        d.running += d.joining
+        d.joining = []
+        if not d.running:
+            d.stepping = False
+            return
+        d.stepping = True
+        self.at(self.now + d.step(len(d.running)) / 1e3, self.stepped, d)
+
+    def stepped(self, d: Decoder) -> None:
+        for job in list(d.running):
+            job.steps_left -= 1
+            if job.steps_left == 0:
+                d.running.remove(job)
+                self.finish(d, job, job.first_token + job.tpot_scale * (self.now - job.first_token))
+        self.step(d)
+
+    def finish(self, d: Decoder, job: Job, end: float) -> None:
+        job.end = end
+        d.in_flight -= 1
+        self.pending -= 1
+
+
+def poisson_jobs(costs: Costs, rate: float, count: int, seed: int) -> list[Job]:
+    """`count` arrivals at `rate` per second, lengths drawn from the calibration run's (with its pairs)."""
+    rng = random.Random(seed)
+    pairs = list(zip(costs.prompt_tokens, costs.output_tokens))
+    t, jobs = 0.0, []
+    for i in range(count):
+        prompt, output = rng.choice(pairs)
+        jobs.append(Job(i, t, prompt, output))
+        t += rng.expovariate(rate)
+    return jobs

@@ -1,0 +1,88 @@
+"""`kvhandoff simulate`: its costs are fitted on a real bench run and reproduce that run's per-phase
+medians; the fleet model is deterministic under a seed and routes as the router does."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvhandoff.sim.calibrate import Costs, Linear
+from kvhandoff.sim.fleet import Fleet, Job, poisson_jobs
+
+
+def costs(**changes) -> Costs:
+    """Two decode workers, the second ten times slower per step; 10 ms prompts."""
+    base = dict(label="synthetic", mode="push", prefill_ms=Linear(2.0, 0.01), transfer_ms=Linear(0.5, 1.0),
+                step_ms={"fast": Linear(1.0, 0.1), "slow": Linear(10.0, 0.1)}, handoff_wait_ms=0.5, admission_ms=0.3,
+                first_token_ms={"fast": [2.0, 3.0], "slow": [12.0]}, kv_bytes_per_token=2048.0,
+                prefill_workers=["p"], decode_workers=["fast", "slow"], decode_policy="round-robin", poll_s=0.05,
+                prompt_tokens=[100, 400, 800], output_tokens=[16, 32, 64])
+    return Costs(**{**base, **changes})
+
+
+def test_a_line_is_fitted_back():
+    assert Linear.fit([1, 2, 3, 4], [3, 5, 7, 9]) == Linear(1.0, 2.0)
+    assert Linear.fit([5, 5], [2.0, 4.0]) == Linear(3.0, 0.0)          # one size: its median, no slope
+
+
+def test_the_model_is_deterministic_under_a_seed():
+    def run(seed: int) -> list[dict]:
+        return Fleet(costs(step_spread={"fast": [0.9, 1.1]}), 2, 6, "load", "late-bound", seed=seed).run(
+            poisson_jobs(costs(), 40.0, 300, seed))
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_policies_and_binding_as_the_router_routes():
+    jobs = lambda: poisson_jobs(costs(), 20.0, 200, 1)
+    blind = Fleet(costs(), 1, 2, "round-robin", "early").run(jobs())
+    assert sum(d["decode_worker"] == 1 for d in blind) == 100                   # in turn, whatever the load
+    aware = Fleet(costs(), 1, 2, "load", "early").run(jobs())
+    assert sum(d["decode_worker"] == 1 for d in aware) < 40
+    # Prompts that take longer than a poll: late binding moves what round-robin bound to the slow one.
+    slow_prefill = costs(prefill_ms=Linear(200.0, 0.0))
+    late = Fleet(slow_prefill, 4, 2, "round-robin", "late-bound").run(poisson_jobs(slow_prefill, 10.0, 100, 1))
+    moved = [d for d in late if d["moved_from"] is not None]
+    assert moved and all(d["moved_from"] == 1 and d["decode_worker"] == 0 for d in moved)
+    for d in late:
+        assert d["ttft_ms"] >= d["phases_ms"]["prefill_compute"] and d["tpot_ms"] > 0
+
+
+def test_fitted_on_a_real_run_it_reproduces_its_medians(tmp_path):
+    out = tmp_path / "run"
+    try:
+        bench = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "bench", "--model", "tiny", "--launch", "push",
+                                "--launch-args", "--prefill 1 --decode 2 --dtype float32 --health-interval 0.2",
+                                "--capacity", "8", "--rates", "1", "--requests", "40", "--output-tokens", "24",
+                                "--out", str(out)], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as exc:      # what the stack was doing, to tell a hang from a slow machine
+        stack_log = (out / "logs" / "push.log").read_text(errors="replace")[-4000:]
+        pytest.fail(f"the bench did not finish in 180 s:\n{(exc.stderr or b'').decode()[-2000:]}\n{stack_log}")
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    report = tmp_path / "sim.json"
+    sim = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "simulate", "--calibrate", str(out),
+                          "--prefill", "4", "--decode", "8", "--rates", "20", "--requests", "200",
+                          "--json", str(report)], capture_output=True, text=True, timeout=120)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    got = json.loads(report.read_text())
+    assert got["costs"]["mode"] == "push" and len(got["costs"]["decode_workers"]) == 2
+    for name, r in got["reproduction"].items():      # within 15%, or 1 ms for sub-millisecond phases
+        assert r["within"], (name, r, sim.stdout)
+    assert [p["requests"] for p in got["scaled"]] == [200]
+    bad = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "simulate", "--calibrate", str(out),
+                          "--policies", "fastest"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown or impossible policy 'fastest'" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "simulate", "--calibrate", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "not a kvhandoff bench output folder" in missing.stderr
+    assert "Traceback" not in bad.stderr + missing.stderr
+
+
+@pytest.mark.parametrize("rate", [5.0])
+def test_every_job_finishes_with_its_tokens(rate):
+    done = Fleet(costs(), 1, 2, "fewest-in-flight", "late").run(poisson_jobs(costs(), rate, 50, 3))
+    assert len(done) == 50
+    for d in done:
+        assert d["tpot_ms"] is not None and d["phases_ms"]["prefill_queue"] >= 0 and d["decode_worker"] in (0, 1)
