@@ -374,7 +374,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.rates or any(r <= 0 for r in args.rates):
         raise SystemExit("kvhandoff bench: --rates must be positive fractions of capacity, e.g. 0.25,0.5,0.75,0.9")
     args.launch_args = shlex.split(args.launch_args)
-    if args.workload == "grid" and args.longest is not None and (args.shortest or 16) > args.longest:
+    if args.workload in ("grid", "binding") and args.longest is not None and (args.shortest or 16) > args.longest:
         raise SystemExit("kvhandoff bench: --shortest must not exceed --longest")
     return main(args)
 
@@ -530,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "`+health-interval=S` that option, e.g. push+bidirectional or "
                             "push+late-binding+decode-policy=load), measure, stop it")
     p.add_argument("--workload", default="grid",
-                   help="grid, multiturn, or a JSON-lines file to replay (see kvhandoff/bench/workload.py) "
+                   help="grid, binding (grid's rates, a long/short prompt mix, heavy-tailed answers, bursts), "
+                        "multiturn, or a JSON-lines file to replay (see kvhandoff/bench/workload.py) "
                         "(default: %(default)s)")
     p.add_argument("--model", default="smollm2", help="--launch: the model to serve (default: %(default)s)")
     p.add_argument("--served-name", default=None, help="model name to send (default: what /v1/models says)")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 
+from kvhandoff.bench import workload as W
 from kvhandoff.bench.command import launch_spec
 
 
@@ -78,6 +79,34 @@ def test_bench_says_what_is_wrong(tmp_path):
     assert r.returncode != 0 and "invalid choice: 'fastest'" in r.stderr and "Traceback" not in r.stderr
     r = bench("--launch", "push+late-binding=yes", timeout=60)
     assert r.returncode != 0 and "unknown flag 'late-binding=yes'" in r.stderr
+
+
+def test_the_binding_workload_mixes_lengths_bursts_and_heavy_tailed_answers():
+    items = W.binding(0, 400, 10.0, 64, 1024, 1.0, 32)
+    assert len(items) == 400 and 30 < items[-1].offset_s < 50           # ~10 requests/s on average
+    answers = sorted(i.max_tokens for i in items)
+    assert answers[200] == 16 and answers[-1] == 128 and answers[0] >= 2  # median 32 / 2, capped at 4 x 32
+    assert 70 < sum(i.tags["class"] == "long" for i in items) < 130
+    assert all(i.target_tokens >= 256 for i in items if i.tags["class"] == "long")
+    bursts = [i.offset_s for i in items if i.tags["burst"]]
+    assert len(bursts) > 150 and len(set(bursts)) * 3 < len(bursts)    # they come 4 at a time
+
+
+def test_bench_binding_workload_reports_moves_imbalance_and_cpu(tmp_path):
+    out = tmp_path / "binding"
+    r = bench("--launch", "push+late-binding+decode-policy=load", "--model", "tiny", "--workload", "binding",
+              "--launch-args", "--prefill 1 --decode 2 --dtype float32 --health-interval 0.2",
+              "--capacity", "6", "--rates", "1", "--requests", "24", "--output-tokens", "16", "--shortest", "32",
+              "--longest", "512", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows, summary = outputs(out)
+    assert len(rows) == 24 and all(row["ok"] for row in rows)
+    assert {row["class"] for row in rows} == {"short", "long"} and len({row["output_tokens"] for row in rows}) > 3
+    point = summary["points"][0]
+    assert point["label"] == "push+late-binding+decode-policy=load@1x" and point["server"]["late_binding"] is True
+    assert point["decode_imbalance"]["samples"] >= 2 and all(len(load) == 2 for _, load in point["timeline"])
+    assert isinstance(point["moved_late"], int) and {"router", "prefill", "decode"} <= set(point["cpu_s"])
+    assert point["router_cpu_ms_per_request"] > 0 and "imbalance.png" in summary["meta"]["plots"]
 
 
 def test_launch_specs_name_router_flags():

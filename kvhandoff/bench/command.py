@@ -18,6 +18,7 @@ from kvhandoff.bench.stack import Stack, cpu_seconds, stop_on_signal
 from kvhandoff.handoff.modes import STACK_MODES
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
+WORKLOADS = ("grid", "binding", "multiturn")          # generated; anything else is a file to replay
 LAUNCH_FLAGS = ("bidirectional", "retry-colocated", "late-binding")
 LAUNCH_OPTIONS = ("decode-policy", "prefill-policy", "disagg-min-tokens", "health-interval")     # NAME=VALUE
 
@@ -88,6 +89,9 @@ async def capacity(client: httpx.AsyncClient, url: str, model: str, args, words_
 def build_workload(args, words_per_token: float, rate: float | None) -> list[W.WorkItem]:
     if args.workload == "grid":
         return W.grid(args.seed, args.requests, rate, args.shortest, args.longest, words_per_token, args.output_tokens)
+    if args.workload == "binding":
+        return W.binding(args.seed, args.requests, rate, args.shortest, args.longest, words_per_token,
+                         args.output_tokens)
     if args.workload == "multiturn":
         return W.multiturn(args.seed, args.conversations, args.turns, args.new_tokens, args.answer_tokens,
                            args.think_s, words_per_token, resumed_after_s=args.resume_after_s)
@@ -114,12 +118,33 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
         log(f"{label}: {len(items)} requests")
         pids = stack.pids() if stack is not None else []
         before = cpu_seconds(pids)
-        await run_point(client, point, model)
+        sampler = asyncio.ensure_future(sample_decode_load(client, url, point))
+        try:
+            await run_point(client, point, model)
+        finally:
+            sampler.cancel()
         if stack is not None:
             after = cpu_seconds(pids)
             point.cpu_s = {role: round(after[role] - before.get(role, 0.0), 3) for role in after}
         points.append(point)
     return points
+
+
+async def sample_decode_load(client: httpx.AsyncClient, url: str, point: Point, every_s: float = 0.5) -> None:
+    """While the point runs: the sequences each decode worker holds (running, waiting, waiting for
+    KV), from a router's /health every `every_s` (a target that is not our router: nothing)."""
+    while True:
+        try:
+            health = (await client.get(url + "/health", timeout=5.0)).json()
+        except (httpx.HTTPError, ValueError):
+            return
+        workers = [w for w in health.get("workers") or [] if w.get("role") == "decode"] if isinstance(health, dict) else []
+        if not workers:
+            return
+        point.timeline.append((round(time.perf_counter() - point.started_at, 3),
+                               {w["url"]: sum(int(w.get(k) or 0) for k in ("num_running", "num_waiting",
+                                                                            "num_waiting_for_kv")) for w in workers}))
+        await asyncio.sleep(every_s)
 
 
 async def amain(args, stacks: list[Stack]) -> int:
@@ -151,7 +176,7 @@ async def amain(args, stacks: list[Stack]) -> int:
                 card = await served_model(client, url)
                 model = model or args.served_name or card["id"]
                 cal = await calibrate(client, url, model, args.output_tokens)
-                if args.workload == "grid":
+                if args.workload in ("grid", "binding"):
                     if args.longest is None:
                         args.longest = auto_longest(cal, args.output_tokens, card.get("max_model_len") or 4096)
                         log(f"longest prompt {args.longest} tokens (its prefill ~ {args.output_tokens} decode steps "
@@ -178,10 +203,10 @@ async def amain(args, stacks: list[Stack]) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.workload not in ("grid", "multiturn") and not Path(args.workload).is_file():
-        raise SystemExit(f"kvhandoff bench: --workload must be grid, multiturn or a JSON-lines file; "
+    if args.workload not in WORKLOADS and not Path(args.workload).is_file():
+        raise SystemExit(f"kvhandoff bench: --workload must be grid, binding, multiturn or a JSON-lines file; "
                          f"{args.workload!r} is none of them")
-    if args.workload not in ("grid", "multiturn"):
+    if args.workload not in WORKLOADS:
         try:
             W.load(Path(args.workload))
         except ValueError as exc:

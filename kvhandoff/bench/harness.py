@@ -49,6 +49,7 @@ class Point:
     started_at: float = 0.0         # perf_counter when its first item was due
     server: dict | None = None      # the target's /health when the point started (what it was running)
     cpu_s: dict[str, float] | None = None   # a launched stack's CPU seconds per role over the point
+    timeline: list = field(default_factory=list)    # (s, {decode worker: sequences}) sampled from the router
 
 
 async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None:
@@ -136,8 +137,18 @@ def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpo
         "router_cpu_ms_per_request": (1e3 * point.cpu_s["router"] / len(rows)
                                       if point.cpu_s and "router" in point.cpu_s and rows else None),
         "moved_late": sum(1 for r in ok if (r["handoff"] or {}).get("rebound_from")),
+        "decode_imbalance": imbalance(point.timeline), "timeline": point.timeline,
         "server": point.server,
     }
+
+
+def imbalance(timeline: list) -> dict | None:
+    """How unevenly the decode workers were loaded: per sample, the most sequences on one worker less
+    the fewest on another; its mean and p90 over the point."""
+    spreads = [max(load.values()) - min(load.values()) for _, load in timeline if len(load) > 1]
+    if not spreads:
+        return None
+    return {"samples": len(spreads), "mean": statistics.fmean(spreads), "p90": percentile(spreads, 90)}
 
 
 def markdown(meta: dict, summaries: list[dict]) -> str:
@@ -165,11 +176,13 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
     if costed:
         lines += ["", "CPU seconds per process role over each point (the stack's own processes), and what "
                   "routing cost per request:", "",
-                  "| point | router ms/request | moved (late binding) | CPU s by role |", "|---|---|---|---|"]
+                  "| point | router ms/request | moved (late binding) | decode imbalance mean / p90 | CPU s by role |",
+                  "|---|---|---|---|---|"]
         for s in costed:
             by_role = ", ".join(f"{role} {sec:.2f}" for role, sec in sorted(s["cpu_s"].items()))
+            spread = s.get("decode_imbalance") or {}
             lines.append(f"| {s['label']} | {fmt(s['router_cpu_ms_per_request'], '.2f')} | {s['moved_late']} | "
-                         f"{by_role} |")
+                         f"{fmt(spread.get('mean'), '.1f')} / {fmt(spread.get('p90'), '.1f')} | {by_role} |")
     if meta.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"[{name}]({name})" for name in meta["plots"])]
     slo = summaries[0]["goodput"] if summaries else {}

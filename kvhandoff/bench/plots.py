@@ -4,6 +4,8 @@
   mode (grid workloads: points with a rate).
 - phases.png: the handoff phases' p50 per point, stacked (what a request's time went to).
 - ttft_per_turn.png: median TTFT per turn index, one line per mode (multi-turn workloads).
+- imbalance.png: over each point's time, the most sequences on one decode worker less the fewest
+  on another (sampled from the router's /health), one line per point (fleets of 2+ decode workers).
 """
 from __future__ import annotations
 
@@ -82,9 +84,26 @@ def turn_plot(rows: list[dict], path: Path) -> bool:
     for label, per_turn in turns.items():
         xs = sorted(per_turn)
         ax.plot(xs, [statistics.median(per_turn[t]) for t in xs], marker="o", label=label)
-    ax.set_xlabel("turn")
-    ax.set_ylabel("median TTFT (ms)")
-    ax.set_title("time to first token per turn")
+    return save_lines(fig, ax, path, "turn", "median TTFT (ms)", "time to first token per turn")
+
+
+def imbalance_plot(summaries: list[dict], path: Path) -> bool:
+    sampled = [s for s in summaries if s.get("decode_imbalance")]
+    if not sampled:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for s in sampled:
+        points = [(t, max(load.values()) - min(load.values())) for t, load in s["timeline"] if len(load) > 1]
+        ax.plot([t for t, _ in points], [v for _, v in points], label=s["label"], alpha=0.8)
+    return save_lines(fig, ax, path, "s into the point", "sequences: busiest - idlest decode worker",
+                      "decode load imbalance over time")
+
+
+def save_lines(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> bool:
+    """A line chart's labels, grid and legend, written to `path`."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -98,7 +117,8 @@ def draw(out: Path, summaries: list[dict], rows: list[dict]) -> list[str]:
     made = []
     for name, ok in (("ttft_tpot_vs_rate.png", lambda p: rate_plot(summaries, p)),
                      ("phases.png", lambda p: phase_plot(summaries, p)),
-                     ("ttft_per_turn.png", lambda p: turn_plot(rows, p))):
+                     ("ttft_per_turn.png", lambda p: turn_plot(rows, p)),
+                     ("imbalance.png", lambda p: imbalance_plot(summaries, p))):
         if ok(out / name):
             made.append(name)
     return made

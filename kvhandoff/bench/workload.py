@@ -98,6 +98,35 @@ def grid(seed: int, count: int, rate: float, shortest: int, longest: int, words_
     return items
 
 
+def binding(seed: int, count: int, rate: float, shortest: int, longest: int, words_per_token: float,
+            max_tokens: int = 128, long_share: float = 0.25, burst_share: float = 0.3) -> list[WorkItem]:
+    """The binding experiment's load (issue 14): decode load that is uneven and shifts while prompts
+    are being computed, the regime where choosing the decode worker early or late can differ.
+    - prompts: mostly short (log-uniform over the lower half of [shortest, longest], in log terms), a
+      `long_share` of long ones (the upper half): the articles' long/short mix;
+    - answers: heavy-tailed (Pareto, shape 1.2, median max_tokens / 2, at least 2, at most 4 x
+      max_tokens): a few long generations keep one decode worker busy while others free up;
+    - arrivals: Poisson at `rate` on average, but a `burst_share` of them come in bursts of 4 at once.
+    Tags: class (short/long) and burst, per request."""
+    rng = random.Random(f"binding-{seed}-{rate}")
+    mid = math.sqrt(shortest * longest)
+    scale = (max_tokens / 2) / 2 ** (1 / 1.2)        # Pareto's median is scale x 2^(1/shape)
+    event_rate = rate / (1 + 3 * burst_share)          # arrival events, each 1 or 4 requests: `rate` requests/s
+    items, t = [], 0.0
+    while len(items) < count:
+        size = 4 if rng.random() < burst_share else 1
+        for _ in range(min(size, count - len(items))):
+            long = rng.random() < long_share
+            low, high = (mid, longest) if long else (shortest, mid)
+            tokens = round(math.exp(rng.uniform(math.log(low), math.log(high))))
+            answer = max(2, min(4 * max_tokens, round(scale * rng.paretovariate(1.2))))
+            items.append(WorkItem(t, prompt=random_text(rng, max(1, round(tokens * words_per_token))),
+                                  max_tokens=answer, target_tokens=tokens,
+                                  tags={"class": "long" if long else "short", "burst": size > 1}))
+        t += rng.expovariate(event_rate)
+    return items
+
+
 def multiturn(seed: int, conversations: int, turns: int, new_tokens: int, answer_tokens: int, think_s: float,
               words_per_token: float, stagger_s: float = 2.0, resumed_after_s: float = 0.0) -> list[WorkItem]:
     """Conversations as chat messages: each turn adds ~new_tokens of user text to the history and
