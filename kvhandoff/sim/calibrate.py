@@ -147,7 +147,11 @@ def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
     steps = {}
     for url in decode:
         on = [(b, r["tpot_ms"]) for b, r in zip(sizes, mine) if r["handoff"]["decode_worker"] == url]
-        steps[url] = Linear.fit([b for b, _ in on], [t for _, t in on])
+        if on:
+            steps[url] = Linear.fit([b for b, _ in on], [t for _, t in on])
+    for url in decode:              # a worker that served none of these: taken as the typical one
+        steps.setdefault(url, Linear(statistics.median(f.a for f in steps.values()),
+                                     statistics.median(f.b for f in steps.values())))
     beyond = {url: [r["ttft_ms"] - sum(phase(r, p) or 0 for p in ("prefill_queue", "prefill_compute",
                                                                    "handoff_wait", "transfer"))
                     for r in mine if r["handoff"]["decode_worker"] == url] for url in decode}
