@@ -499,9 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flags for one worker (prefill-0, decode-1, ...; worker when colocated), repeatable, "
                         "e.g. --worker-args 'decode-1=--inject-faults step_ms=50'")
     p.add_argument("--link", default=None, metavar="RATE[,DELAY[,JITTER]]",
-                   help="put the decode workers behind an emulated link, e.g. 1gbit,50us: their own network "
-                        "namespace, a veth pair shaped by tc netem each way, KV over tcp; removed when the stack "
-                        "stops (needs root and iproute2)")
+                   help="put the decode workers behind an emulated link, e.g. 1gbit or 1gbit,50us: their own "
+                        "network namespace, a veth pair shaped each way by tc (netem; a token bucket, rate only, "
+                        "where the kernel has no netem), KV over tcp; removed when the stack stops (needs root "
+                        "and iproute2)")
     add_policy_args(p)
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a worker that dies is restarted (backoff 1, 2, 4 ... 30 s); one that dies more often "
