@@ -99,7 +99,7 @@ def pid_alive(pid: int) -> bool:
 
 
 class EmulatedLink:
-    """The decode side's namespace and the shaped veth pair to it; a context manager."""
+    """The decode side's namespace and the shaped veth pair to it (up, then down, once each)."""
 
     def __init__(self, spec: LinkSpec, owner: int | None = None):
         self.spec, self.owner = spec, owner or os.getpid()
@@ -115,13 +115,6 @@ class EmulatedLink:
     def prefix(self) -> list[str]:
         """Run a command on the far side: prefix its argv with this."""
         return ["ip", "netns", "exec", self.ns]
-
-    def __enter__(self) -> "EmulatedLink":
-        self.up()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 
     def up(self) -> None:
         check_available()
@@ -161,11 +154,9 @@ class EmulatedLink:
     def down(self) -> None:
         """Remove the namespace: its veth end goes with it, and so does the pair's near end, with the
         qdiscs and the address. Idempotent."""
-        if not self.created:
-            return
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", self.near_dev], capture_output=True, timeout=30)   # (if the pair outlived it)
-        self.created = False
+        if self.created:
+            remove(self.ns, self.near_dev)
+            self.created = False
 
     def describe(self) -> str:
         return (f"emulated link {self.spec} ({self.shaper}) between {self.near_addr} (prefill workers, router) "
@@ -182,11 +173,15 @@ def check_available() -> None:
                         "iproute2); or drop --link")
 
 
+def remove(ns: str, near_dev: str) -> None:
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    subprocess.run(["ip", "link", "del", near_dev], capture_output=True, timeout=30)    # (if the pair outlived it)
+
+
 def sweep_stale() -> None:
     """Namespaces of `--link` stacks whose process is gone (killed outright): removed."""
     for ns in namespaces():
         owner = ns.removeprefix(NS_PREFIX)
         if ns.startswith(NS_PREFIX) and owner.isdigit() and not pid_alive(int(owner)):
             stale = EmulatedLink(LinkSpec("1gbit"), int(owner))
-            stale.created = True
-            stale.down()
+            remove(stale.ns, stale.near_dev)
