@@ -380,7 +380,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # The demo's sizes per model: (shortest, longest, output tokens, requests per rate) for the grid and
-# (new tokens per turn, answer tokens) for the conversations; SmolLM2's took 3.2 minutes on a 2-core Zen 5 (bf16) and 19 on an AVX2-only EPYC (fp32).
+# (new tokens per turn, answer tokens) for the conversations. SmolLM2's took 3.2 minutes on a 2-core
+# Zen 5 (bf16) and 19 on an AVX2-only EPYC (fp32): to be sized from a calibration (issue 14).
 DEMO_SIZES = {"smollm2": ((128, 1024, 64, 5), (200, 32)), "tiny": ((32, 512, 32, 6), (100, 16))}
 
 
@@ -571,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="launch every mode, run a short grid and multi-turn workload, compare",
                        description=cmd_demo.__doc__)
-    p.add_argument("--model", default="smollm2", help="smollm2 (3 to 19 minutes on 2 cores, by CPU) or tiny (under a minute)")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (3 to 19 minutes on 2 cores, by CPU) or tiny (under a minute)")
     p.add_argument("--out", type=Path, default=Path("demo-out"), help="(default: %(default)s)")
     p.set_defaults(func=cmd_demo)
 
