@@ -13,16 +13,16 @@ random.Random). What it models, and what it leaves out:
   prompt is computed. `load` and late binding read a snapshot taken every poll interval, as the
   router does; the router's own in-flight counts are exact;
 - after the prompt: handoff_wait (median), the transfer (fitted on bytes; links are not shared, so
-  concurrent transfers do not slow each other), then the first token reaches the client after its
-  decode worker's fitted delay, and from then on the request is in that worker's batch;
+  concurrent transfers do not slow each other); the request then joins its decode worker's batch at
+  the next step, and its first token reaches the client after a measured delay (its TPOT is the
+  mean time of the steps it took);
 - a decode worker steps while it has sequences, each step costing its fitted time at that batch
   size, one token per sequence per step; a worker of a scaled fleet takes the costs of the real
   worker at its index modulo the real count (a slow one stays slow, in the same share);
 - the spread the calibration run measured is drawn per request (seeded): a prefill step's and a
-  transfer's time are the fitted ones plus a measured residual, a TPOT the fitted one times a
-  measured ratio, a first token's delay a measured one. (A
-  request's drawn TPOT ratio stretches its own timeline only: its seat in the batch frees when the
-  fitted steps are done, so the batch dynamics stay the fitted ones.)
+  transfer's time are the fitted ones plus a measured residual, a first token's delay a measured
+  one, and a request holds its batch seat for its steps times a measured TPOT ratio (a slow request
+  of the real run was in the batch longer, and the others' steps paid for it).
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ class Job:
     end: float = 0.0
     steps_left: int = 0
     tpot_scale: float = 1.0
+    step_start: float = 0.0          # when its first decode step began
     to_prefill: int = 0
 
     def report(self, costs: Costs) -> dict:
@@ -220,23 +221,26 @@ class Fleet:
 
     # -- decode --------------------------------------------------------------------------------------
     def land(self, job: Job) -> None:
+        """The K/V is in: the request joins its decode worker's batch at its next step, and its first
+        token reaches the client after the measured delay (HTTP, the worker's loop); every later
+        token reaches it as late after its step as that one did."""
         job.landed = self.now
         d = self.decoders[job.decode]
         job.tpot_scale = self.rng.choice(d.spread)
-        self.at(self.now + self.rng.choice(d.first_token_ms) / 1e3, self.first, job)
-
-    def first(self, job: Job) -> None:
-        job.first_token = self.now
-        job.steps_left = job.output_tokens - 1
-        d = self.decoders[job.decode]
+        job.first_token = self.now + self.rng.choice(d.first_token_ms) / 1e3
+        # Its measured TPOT ratio as steps it holds its seat for: a request that was slow in the real
+        # run was in the batch longer, and the others' steps paid for it.
+        job.steps_left = max(1, round((job.output_tokens - 1) * job.tpot_scale)) if job.output_tokens > 1 else 0
         if job.steps_left <= 0:
-            self.finish(d, job, self.now)
+            self.finish(d, job, job.first_token)
             return
         d.joining.append(job)
         if not d.stepping:
             self.step(d)
 
     def step(self, d: Decoder) -> None:
+        for job in d.joining:
+            job.step_start = self.now
         d.running += d.joining
         d.joining = []
         if not d.running:
@@ -250,7 +254,7 @@ class Fleet:
             job.steps_left -= 1
             if job.steps_left == 0:
                 d.running.remove(job)
-                self.finish(d, job, job.first_token + job.tpot_scale * (self.now - job.first_token))
+                self.finish(d, job, job.first_token + (self.now - job.step_start))
         self.step(d)
 
     def finish(self, d: Decoder, job: Job, end: float) -> None:
