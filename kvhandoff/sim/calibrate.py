@@ -2,9 +2,8 @@
 never from the engine: the simulator reads bench results only.
 
 From one measured point of a disaggregated stack:
-- prefill: ms per engine step as a linear function of the prompt tokens the step computes, fitted
-  on the requests that were prefilled alone (their `prefill_compute` is their own steps; a request
-  prefilled beside others shares steps with them, so its time is not its cost);
+- prefill: `prefill_compute` ms as a linear function of the tokens the prefill worker computed
+  (prompt tokens less the reused ones);
 - transfer: the `transfer` phase as a linear function of the bytes moved;
 - decode: per decode worker, ms per step as a linear function of the sequences it stepped with. A
   request's TPOT is its mean step time; the sequences beside it are counted from the other requests'
@@ -15,8 +14,8 @@ From one measured point of a disaggregated stack:
   takes beyond the phases (HTTP hops, the decode worker emitting the token it was handed: a slow
   worker emits it a step later);
 - the workload's shape: prompt and output lengths as sampled, bytes of KV per prompt token;
-- the spread around those lines, as measured: per request, its prefill and transfer times less the
-  fitted ones (a busy core adds milliseconds, not percent), its TPOT over the fitted one (a ratio: it scales every
+- the spread around those lines, as measured: per request, its prefill time less the fitted one (a
+  busy core adds milliseconds, not percent), its TPOT over the fitted one (a ratio: it scales every
   step), and what its first token took beyond the phases; the simulator draws from
   these, seeded, so that it reproduces percentiles and medians of mixtures, not just the lines;
 - the fleet: its prefill and decode workers, decode policy, late binding and poll interval, as the
@@ -59,7 +58,7 @@ class Linear:
 class Costs:
     label: str                               # the bench point it was fitted on
     mode: str                                # pull, pull-reader, push, push-layerwise
-    prefill_ms: Linear                       # a prefill step, per prompt tokens it computes
+    prefill_ms: Linear                       # per computed prompt tokens
     transfer_ms: Linear                      # per MiB moved
     step_ms: dict[str, Linear]               # decode worker URL -> ms per step, per sequence in its batch
     handoff_wait_ms: float
@@ -73,9 +72,8 @@ class Costs:
     poll_s: float = 1.0
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
-    prefill_spread: list[float] = field(default_factory=list)           # measured - fitted, prefilled alone, ms
+    prefill_spread: list[float] = field(default_factory=list)           # measured - fitted prefill_compute, ms
     step_spread: dict[str, list[float]] = field(default_factory=dict)    # decode worker URL -> TPOT / fitted
-    transfer_spread: list[float] = field(default_factory=list)          # measured - fitted transfer, ms
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -115,27 +113,14 @@ def batch_sizes(rows: list[dict]) -> list[float]:
     return sizes
 
 
-def prefill_spans(rows: list[dict]) -> list[tuple[float, float]]:
-    """Each request's prefill, in the client's clock (the router's hop left out)."""
-    return [(r["sent_s"] + phase(r, "prefill_queue") / 1e3,
-             r["sent_s"] + (phase(r, "prefill_queue") + phase(r, "prefill_compute")) / 1e3) for r in rows]
-
-
 def admission(rows: list[dict]) -> float:
     """The median prefill_queue of the requests that arrived while no other was being prefilled (all of
     them if none did): the queue phase's fixed part."""
-    spans = prefill_spans(rows)
+    spans = [(r["sent_s"] + phase(r, "prefill_queue") / 1e3,
+              r["sent_s"] + (phase(r, "prefill_queue") + phase(r, "prefill_compute")) / 1e3) for r in rows]
     idle = [phase(r, "prefill_queue") for i, r in enumerate(rows)
             if not any(s <= r["sent_s"] < e for j, (s, e) in enumerate(spans) if j != i)]
     return statistics.median(idle or [phase(r, "prefill_queue") for r in rows])
-
-
-def prefilled_alone(rows: list[dict]) -> list[int]:
-    """Indices of the requests whose prefill overlapped no other's (all of them if fewer than 5 did)."""
-    spans = prefill_spans(rows)
-    alone = [i for i, (s, e) in enumerate(spans)
-             if not any(s2 < e and s < e2 for j, (s2, e2) in enumerate(spans) if j != i)]
-    return alone if len(alone) >= 5 else list(range(len(rows)))
 
 
 def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
@@ -171,19 +156,17 @@ def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
                                                                    "handoff_wait", "transfer"))
                     for r in mine if r["handoff"]["decode_worker"] == url] for url in decode}
     typical = [statistics.median(v for values in beyond.values() for v in values)]
-    alone = prefilled_alone(mine)
-    prefill_ms = Linear.fit([computed[i] for i in alone], [phase(mine[i], "prefill_compute") for i in alone])
-    transfer_ms = Linear.fit(mib, [phase(r, "transfer") for r in mine])
+    prefill_ms = Linear.fit(computed, [phase(r, "prefill_compute") for r in mine])
     spread = {url: [r["tpot_ms"] / steps[url](b) for b, r in zip(sizes, mine)
                     if r["handoff"]["decode_worker"] == url and steps[url](b) > 0] or [1.0] for url in decode}
     return Costs(
         label=label, mode=mine[0]["handoff"]["mode"],
         prefill_ms=prefill_ms,
-        transfer_ms=transfer_ms, step_ms=steps,
+        transfer_ms=Linear.fit(mib, [phase(r, "transfer") for r in mine]), step_ms=steps,
         handoff_wait_ms=statistics.median(phase(r, "handoff_wait") or 0 for r in mine), admission_ms=admission(mine),
         first_token_ms={url: [max(0.0, x) for x in (v or typical)] for url, v in beyond.items()},
-        prefill_spread=[phase(mine[i], "prefill_compute") - prefill_ms(computed[i]) for i in alone],
-        step_spread=spread, transfer_spread=[phase(r, "transfer") - transfer_ms(m) for r, m in zip(mine, mib)],
+        prefill_spread=[phase(r, "prefill_compute") - prefill_ms(n) for r, n in zip(mine, computed)],
+        step_spread=spread,
         kv_bytes_per_token=statistics.median((r["handoff"].get("bytes_transferred") or 0) / max(1, n)
                                              for r, n in zip(mine, computed)),
         prefill_workers=prefill, decode_workers=decode,

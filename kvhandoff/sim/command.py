@@ -79,7 +79,7 @@ def print_costs(costs: Costs) -> None:
     print(f"calibrated on {costs.label} ({costs.mode}; {len(costs.prefill_workers)} prefill, "
           f"{len(costs.decode_workers)} decode workers; decode policy {costs.decode_policy}"
           f"{', late binding' if costs.late_binding else ''}; poll {costs.poll_s:g} s):")
-    print(f"  prefill step = {costs.prefill_ms.a:.2f} ms + {costs.prefill_ms.b * 1e3:.3f} ms per 1k tokens; "
+    print(f"  prefill_compute = {costs.prefill_ms.a:.2f} ms + {costs.prefill_ms.b * 1e3:.3f} ms per 1k tokens; "
           f"transfer = {costs.transfer_ms.a:.2f} ms + {costs.transfer_ms.b:.2f} ms per MiB; "
           f"handoff_wait {costs.handoff_wait_ms:.2f} ms; {costs.kv_bytes_per_token / 1024:.2f} KiB of KV per token")
     for url, step in costs.step_ms.items():

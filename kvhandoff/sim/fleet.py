@@ -3,26 +3,25 @@ each phase costing what calibrate.py fitted from a real run. Deterministic under
 random.Random). What it models, and what it leaves out:
 
 - arrivals go to the prefill worker with the fewest requests (the router's default), where they queue
-  after the fitted admission time (HTTP, admission: paid with nobody ahead too); it computes them
-  in steps as the engine does: each step takes up to `token_budget` prompt tokens (the engine's
-  --max-num-batched-tokens) from the queue's head, chunking a long prompt, and costs the fitted
-  step time for those tokens; a prompt is computed when the step with its last chunk ends;
+  after the fitted admission time (HTTP, admission: paid with nobody ahead too); it computes prompts
+  one at a time, first come first served (the engine batches prompt chunks: close enough
+  while prompts are not much shorter than its token budget);
 - the decode worker is chosen by the run's decode policy (round-robin, fewest-in-flight, load) at
   arrival (push: early binding) or when the prompt is computed (pull: late binding); with late
   binding (push) a request is moved once at a poll that finds its worker fallen behind, before its
   prompt is computed. `load` and late binding read a snapshot taken every poll interval, as the
   router does; the router's own in-flight counts are exact;
 - after the prompt: handoff_wait (median), the transfer (fitted on bytes; links are not shared, so
-  concurrent transfers do not slow each other); the request then joins its decode worker's batch at
-  the next step, and its first token reaches the client after a measured delay (its TPOT is the
-  mean time of the steps it took);
+  concurrent transfers do not slow each other), then the first token reaches the client after its
+  decode worker's fitted delay, and from then on the request is in that worker's batch;
 - a decode worker steps while it has sequences, each step costing its fitted time at that batch
   size, one token per sequence per step; a worker of a scaled fleet takes the costs of the real
   worker at its index modulo the real count (a slow one stays slow, in the same share);
-- the spread the calibration run measured is drawn per request (seeded): a prefill step's and a
-  transfer's time are the fitted ones plus a measured residual, a first token's delay a measured
-  one, and a request holds its batch seat for its steps times a measured TPOT ratio (a slow request
-  of the real run was in the batch longer, and the others' steps paid for it).
+- the spread the calibration run measured is drawn per request (seeded): its prefill time is the
+  fitted one plus a measured residual, its TPOT the fitted one times a measured ratio, its first
+  token's delay a measured one. (A
+  request's drawn TPOT ratio stretches its own timeline only: its seat in the batch frees when the
+  fitted steps are done, so the batch dynamics stay the fitted ones.)
 """
 from __future__ import annotations
 
@@ -54,8 +53,6 @@ class Job:
     end: float = 0.0
     steps_left: int = 0
     tpot_scale: float = 1.0
-    step_start: float = 0.0          # when its first decode step began
-    to_prefill: int = 0
 
     def report(self, costs: Costs) -> dict:
         tpot = (self.end - self.first_token) / (self.output_tokens - 1) if self.output_tokens > 1 else None
@@ -84,14 +81,13 @@ class Decoder:
 
 class Fleet:
     def __init__(self, costs: Costs, num_prefill: int, num_decode: int, policy: str | None = None,
-                 binding: str | None = None, poll_s: float | None = None, seed: int = 0, token_budget: int = 512):
+                 binding: str | None = None, poll_s: float | None = None, seed: int = 0):
         self.costs = costs
         self.policy = policy or costs.decode_policy
         mode_binding = "late" if costs.mode.startswith("pull") else ("late-bound" if costs.late_binding else "early")
         self.binding = binding or mode_binding          # early (push), late (pull), late-bound (push + moves)
         assert self.binding in BINDINGS and self.policy in POLICIES, (self.binding, self.policy)
         self.poll_s = poll_s or costs.poll_s
-        self.token_budget = token_budget
         self.rng = random.Random(seed)
         real = [(costs.step_ms[url], costs.first_token_ms[url], costs.step_spread.get(url) or [1.0])
                 for url in costs.decode_workers]
@@ -179,68 +175,47 @@ class Fleet:
         self.at(self.now + self.costs.admission_ms / 1e3, self.admitted, job)
 
     def admitted(self, job: Job) -> None:
-        job.to_prefill = max(1, job.prompt_tokens)
         self.prefill_queues[job.prefill].append(job)
         self.start_prefill(job.prefill)
 
     def start_prefill(self, p: int) -> None:
-        """A step over the head of the queue: up to the token budget, the last prompt maybe in part."""
         if self.prefill_busy[p] or not self.prefill_queues[p]:
             return
-        chunks, budget = [], self.token_budget
-        for job in self.prefill_queues[p]:
-            if budget <= 0:
-                break
-            if job.to_prefill == job.prompt_tokens:
-                job.prefill_start = self.now
-            take = min(budget, job.to_prefill)
-            chunks.append((job, take))
-            budget -= take
-        tokens = self.token_budget - budget
-        step_ms = max(0.0, self.costs.prefill_ms(tokens) + self.rng.choice(self.costs.prefill_spread or [0.0]))
+        job = self.prefill_queues[p].pop(0)
         self.prefill_busy[p] = True
-        self.at(self.now + step_ms / 1e3, self.prefill_stepped, p, chunks)
-
-    def prefill_stepped(self, p: int, chunks: list[tuple[Job, int]]) -> None:
-        self.prefill_busy[p] = False
-        for job, take in chunks:
-            job.to_prefill -= take
-            if job.to_prefill == 0:
-                self.prefill_queues[p].remove(job)
-                self.prefilled(job)
-        self.start_prefill(p)
+        job.prefill_start = self.now
+        compute_ms = max(0.0, self.costs.prefill_ms(job.prompt_tokens) + self.rng.choice(self.costs.prefill_spread or [0.0]))
+        self.at(self.now + compute_ms / 1e3, self.prefilled, job)
 
     def prefilled(self, job: Job) -> None:
         job.prefill_end = self.now
+        self.prefill_busy[job.prefill] = False
+        self.start_prefill(job.prefill)
         if self.binding == "late":
             self.bind(job, self.pick_decode())
         mib = job.prompt_tokens * self.costs.kv_bytes_per_token / 2**20
-        transfer_ms = max(0.0, self.costs.transfer_ms(mib) + self.rng.choice(self.costs.transfer_spread or [0.0]))
-        landed = self.now + (self.costs.handoff_wait_ms + transfer_ms) / 1e3
+        landed = self.now + (self.costs.handoff_wait_ms + self.costs.transfer_ms(mib)) / 1e3
         self.at(landed, self.land, job)
 
     # -- decode --------------------------------------------------------------------------------------
     def land(self, job: Job) -> None:
-        """The K/V is in: the request joins its decode worker's batch at its next step, and its first
-        token reaches the client after the measured delay (HTTP, the worker's loop); every later
-        token reaches it as late after its step as that one did."""
         job.landed = self.now
         d = self.decoders[job.decode]
         job.tpot_scale = self.rng.choice(d.spread)
-        job.first_token = self.now + self.rng.choice(d.first_token_ms) / 1e3
-        # Its measured TPOT ratio as steps it holds its seat for: a request that was slow in the real
-        # run was in the batch longer, and the others' steps paid for it.
-        job.steps_left = max(1, round((job.output_tokens - 1) * job.tpot_scale)) if job.output_tokens > 1 else 0
+        self.at(self.now + self.rng.choice(d.first_token_ms) / 1e3, self.first, job)
+
+    def first(self, job: Job) -> None:
+        job.first_token = self.now
+        job.steps_left = job.output_tokens - 1
+        d = self.decoders[job.decode]
         if job.steps_left <= 0:
-            self.finish(d, job, job.first_token)
+            self.finish(d, job, self.now)
             return
         d.joining.append(job)
         if not d.stepping:
             self.step(d)
 
     def step(self, d: Decoder) -> None:
-        for job in d.joining:
-            job.step_start = self.now
         d.running += d.joining
         d.joining = []
         if not d.running:
@@ -254,7 +229,7 @@ class Fleet:
             job.steps_left -= 1
             if job.steps_left == 0:
                 d.running.remove(job)
-                self.finish(d, job, job.first_token + (self.now - job.step_start))
+                self.finish(d, job, job.first_token + job.tpot_scale * (self.now - job.first_token))
         self.step(d)
 
     def finish(self, d: Decoder, job: Job, end: float) -> None:
