@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from kvhandoff.sim.calibrate import Costs, Linear
-from kvhandoff.sim.fleet import Fleet, Job, poisson_jobs
+from kvhandoff.serve.router import policies
+from kvhandoff.serve.router.policies import DecodePolicy
+from kvhandoff.sim.fleet import LATE_BINDING_MARGIN, POLICIES, Fleet, Job, poisson_jobs
 
 
 def costs(**changes) -> Costs:
@@ -20,6 +22,13 @@ def costs(**changes) -> Costs:
                 prefill_workers=["p"], decode_workers=["fast", "slow"], decode_policy="round-robin", poll_s=0.05,
                 prompt_tokens=[100, 400, 800], output_tokens=[16, 32, 64])
     return Costs(**{**base, **changes})
+
+
+def test_the_model_routes_by_the_routers_rules():
+    """fleet.py spells out the router's policies and late-binding margin (importing the router would
+    load its web stack into every `kvhandoff` command): kept equal here."""
+    assert set(POLICIES) == {p.value for p in DecodePolicy}
+    assert LATE_BINDING_MARGIN == policies.LATE_BINDING_MARGIN
 
 
 def test_a_line_is_fitted_back():
