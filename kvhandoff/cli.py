@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from kvhandoff.config import EngineConfig
+from kvhandoff.config import EngineConfig, ModelNotFound
 from kvhandoff.handoff import modes
 from kvhandoff.handoff.modes import COLOCATED, Mode
 
@@ -620,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 0
+    except ModelNotFound as e:              # a user's typo deserves a line, not a traceback
+        print(f"kvhandoff {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

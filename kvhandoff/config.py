@@ -8,6 +8,10 @@ import os
 from dataclasses import dataclass, field
 
 
+class ModelNotFound(ValueError):
+    """The model named cannot be found or installed as asked: a user's error, said in one line."""
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -377,3 +379,10 @@ def test_smollm2_knows_paris(tmp_path_factory):
 def test_pool_back_to_baseline(tiny_server):
     h = wait_idle(tiny_server)
     assert h["num_free_blocks"] == h["num_blocks"] == tiny_server.baseline["num_free_blocks"]
+
+
+def test_a_model_that_does_not_exist_is_one_line_not_a_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "serve", "--model", str(tmp_path / "no.gguf"),
+                        "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("kvhandoff serve: error: model ") and "neither an alias" in r.stderr, r.stderr

