@@ -361,6 +361,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         add_policy_args(up_flags)
         for flag in ("--bidirectional", "--retry-colocated"):
             up_flags.add_argument(flag, action="store_true")
+        up_flags.add_argument("--link", type=link_rate)
         try:
             for spec in args.launch:
                 up_flags.parse_args(launch_spec(spec)[1])
@@ -382,34 +383,61 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # The demo's sizes per model: (shortest, longest, output tokens, requests per rate) for the grid and
 # (new tokens per turn, answer tokens) for the conversations. SmolLM2's took 3.2 minutes on a 2-core
 # Zen 5 (bf16) and 19 on an AVX2-only EPYC (fp32): to be sized from a calibration (issue 14).
-DEMO_SIZES = {"smollm2": ((128, 1024, 64, 5), (200, 32)), "tiny": ((32, 512, 32, 6), (100, 16))}
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+def link_rate(text: str) -> str:
+    from kvhandoff.serve.netlink import LinkSpec
+    try:
+        LinkSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def demo_link(text: str) -> str:
+    from kvhandoff.bench.demo import check_link
+    try:
+        return check_link(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The whole story on this machine: colocated, pull, push and push-layerwise under a short grid
-    workload (Poisson load at 50% and 90% of the colocated capacity, prefix caching off), then
-    multi-turn conversations with and without bidirectional reuse; prints the comparison tables and
-    where the plots are."""
-    (shortest, longest, output, requests), (new_tokens, answer) = DEMO_SIZES.get(args.model, DEMO_SIZES["smollm2"])
-    runs = {
-        "grid": ["--launch", ",".join([COLOCATED, Mode.PULL, Mode.PUSH, Mode.PUSH_LAYERWISE]), "--workload", "grid",
-                 "--rates", "0.5,0.9",
-                 "--requests", str(requests), "--capacity-requests", "6", "--shortest", str(shortest),
-                 "--longest", str(longest), "--output-tokens", str(output), "--launch-args=--no-prefix-caching"],
-        "multiturn": ["--launch", f"{Mode.PUSH},{Mode.PUSH}+bidirectional", "--workload", "multiturn", "--conversations", "2",
-                      "--turns", "4", "--new-tokens", str(new_tokens), "--answer-tokens", str(answer),
-                      "--think-s", "1", "--launch-args=--prefill-args=--no-prefix-caching"],
-    }
-    for name, argv in runs.items():
-        print(f"kvhandoff demo: {name} ({args.model})", flush=True)
-        bench_args = build_parser().parse_args(["bench", "--model", args.model, "--out", str(args.out / name), *argv])
-        bench_args.extra = []
-        rc = cmd_bench(bench_args)
-        if rc:
-            return rc
+    """The whole story on this machine in about --minutes: a short calibration sizes everything; isolated
+    requests per mode (colocated on one core, pull, push, push-layerwise), over the free link and behind
+    an emulated slow link sized so that moving a prompt's KV costs most of its prefill, with each
+    request's phases; then multi-turn conversations with and without bidirectional reuse. Prints the
+    tables and where they and the plots are (kvhandoff/bench/demo.py says how it sizes)."""
+    import time
+
+    from kvhandoff.bench import demo
+
+    started = time.monotonic()
+    budget_s = args.minutes * 60
+    clock = lambda: f"{(time.monotonic() - started) / 60:.1f} min"
+    print(f"kvhandoff demo: calibration and isolated requests per mode ({args.model}; budget {args.minutes:g} min)",
+          flush=True)
+    cal = demo.isolated_part(args.model, args.out / "isolated", budget_s, started, args.link)
+    new_tokens, answer = demo.plan_multiturn(cal, budget_s - (time.monotonic() - started))
+    print(f"kvhandoff demo: multiturn ({args.model}; {demo.CONVERSATIONS} conversations of {demo.TURNS} turns, "
+          f"{new_tokens} new tokens and {answer}-token answers a turn; at {clock()})", flush=True)
+    argv = ["--launch", f"{Mode.PUSH},{Mode.PUSH}+bidirectional", "--workload", "multiturn",
+            "--conversations", str(demo.CONVERSATIONS), "--turns", str(demo.TURNS), "--new-tokens", str(new_tokens),
+            "--answer-tokens", str(answer), "--think-s", str(demo.THINK_S),
+            "--launch-args=--prefill-args=--no-prefix-caching"]
+    bench_args = build_parser().parse_args(["bench", "--model", args.model, "--out", str(args.out / "multiturn"), *argv])
+    bench_args.extra = []
+    rc = cmd_bench(bench_args)
+    if rc:
+        return rc
     plots = sorted(str(p) for p in args.out.glob("*/*.png"))
-    print("kvhandoff demo: done. Tables: " + ", ".join(str(args.out / n / "summary.md") for n in runs) +
-          "\nPlots: " + ", ".join(plots), flush=True)
+    print(f"kvhandoff demo: done in {clock()}. Tables: {args.out / 'isolated' / 'summary.txt'}, "
+          f"{args.out / 'multiturn' / 'summary.md'}\nPlots: " + ", ".join(plots), flush=True)
     return 0
 
 
@@ -528,9 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--launch", metavar="MODE[,MODE...]",
                        help=f"start `kvhandoff up --mode MODE` for each mode in turn ({', '.join(modes.STACK_MODES)}; "
                             "`+bidirectional`, `+retry-colocated` or `+late-binding` adds that flag, "
-                            "`+decode-policy=P`, `+prefill-policy=P`, `+disagg-min-tokens=N` or "
-                            "`+health-interval=S` that option, e.g. push+bidirectional or "
-                            "push+late-binding+decode-policy=load), measure, stop it")
+                            "`+decode-policy=P`, `+prefill-policy=P`, `+disagg-min-tokens=N`, "
+                            "`+health-interval=S` or `+link=RATE` (an emulated link, e.g. 1gbit) that option, e.g. "
+                            "push+bidirectional or push+late-binding+decode-policy=load), measure, stop it")
     p.add_argument("--workload", default="grid",
                    help="grid, binding (grid's rates, a long/short prompt mix, heavy-tailed answers, bursts), "
                         "multiturn, or a JSON-lines file to replay (see kvhandoff/bench/workload.py) "
@@ -570,10 +598,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, default=Path("bench-out"), help="(default: %(default)s)")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("demo", help="launch every mode, run a short grid and multi-turn workload, compare",
+    p = sub.add_parser("demo", help="every mode side by side in ~5 min: isolated phases over a free and a slow link, "
+                                    "then multi-turn reuse",
                        description=cmd_demo.__doc__)
-    p.add_argument("--model", default="smollm2",
-                   help="smollm2 (3 to 19 minutes on 2 cores, by CPU) or tiny (under a minute)")
+    p.add_argument("--model", default="smollm2", help="smollm2 or tiny (default: %(default)s)")
+    p.add_argument("--minutes", type=positive_float, default=5.0,
+                   help="time to size the work to, from a short calibration (default: %(default)s)")
+    p.add_argument("--link", type=demo_link, default="auto",
+                   help="the slow emulated link's rate: auto (calibrated: a prompt's KV moves in ~3/4 of its "
+                        "prefill), none (skip; also when not root), or a rate like 200mbit (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("demo-out"), help="(default: %(default)s)")
     p.set_defaults(func=cmd_demo)
 

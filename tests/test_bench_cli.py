@@ -12,6 +12,8 @@ import httpx
 
 from kvhandoff.bench import workload as W
 from kvhandoff.bench.command import launch_spec
+from kvhandoff.bench.demo import Calibration
+from kvhandoff.serve.netlink import LinkError, LinkSpec, check_available
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -79,6 +81,8 @@ def test_bench_says_what_is_wrong(tmp_path):
     assert r.returncode != 0 and "invalid choice: 'fastest'" in r.stderr and "Traceback" not in r.stderr
     r = bench("--launch", "push+late-binding=yes", timeout=60)
     assert r.returncode != 0 and "unknown flag 'late-binding=yes'" in r.stderr
+    r = bench("--launch", "push+link=fast", timeout=60)
+    assert r.returncode != 0 and "'fast' is not a rate" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_the_binding_workload_mixes_lengths_bursts_and_heavy_tailed_answers():
@@ -140,17 +144,37 @@ def test_bench_launches_stacks_and_reports_phases(tmp_path):
 
 
 def test_demo_runs_every_mode(tmp_path):
-    """The README's main command, on the tiny model: every mode measured, tables and plots written."""
+    """The README's main command, on the tiny model: sized from its calibration, every mode measured on
+    isolated requests (behind the calibrated slow link too, where one can be made), then multi-turn;
+    tables and plots written, every output equal to colocated's."""
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "demo", "--model", "tiny", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "demo", "--model", "tiny", "--minutes", "1.5",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    _, grid = outputs(out / "grid")
-    assert [p["label"] for p in grid["points"]] == [f"{m}@{f}x" for m in ("colocated", "pull", "push", "push-layerwise")
-                                                    for f in ("0.5", "0.9")]
-    assert all(p["failed"] == 0 and p["completed"] == 6 for p in grid["points"])
+    report = json.loads((out / "isolated" / "isolated.json").read_text())
+    cal, plan = report["calibration"], report["plan"]
+    assert cal["prefill_ms_per_token"] > 0 and cal["step_ms"] > 0 and cal["kv_bytes_per_token"] > 0
+    try:
+        check_available()
+        rate = Calibration(**cal).link_rate()
+    except LinkError:
+        rate = None
+    assert report["link"] == rate, (report["link"], report["link_note"])
+    modes = ["pull", "push", "push-layerwise"]
+    rows = report["isolated"][str(plan["prompt_tokens"])]
+    assert list(rows) == ["colocated-1core", *modes, *([f"{m}@{rate}" for m in modes] if rate else [])]
+    for name, row in rows.items():
+        assert row["n"] == plan["rounds"] and row["failed"] == 0, (name, row)
+        assert row["outputs_equal_colocated"] == f"{plan['rounds']}/{plan['rounds']}", (name, row)
+        if name != "colocated-1core":
+            assert row["phases_ms"]["prefill_compute"] > 0 and row["bytes_transferred"] > 0, (name, row)
+    if rate:                 # behind the link, pull's transfer is what the rate says it must be
+        pulled = rows[f"pull@{rate}"]
+        link_ms = pulled["bytes_transferred"] * 8 / LinkSpec.parse(rate).bits_per_s * 1e3
+        assert 0.8 < pulled["phases_ms"]["transfer"] / link_ms < 1.3, pulled
+    assert "Isolated requests" in (out / "isolated" / "summary.txt").read_text()
     _, multi = outputs(out / "multiturn")
     assert [p["label"] for p in multi["points"]] == ["push", "push+bidirectional"]
+    assert all(p["failed"] == 0 for p in multi["points"])
     assert "kvhandoff demo: done" in r.stdout and "ttft_per_turn.png" in r.stdout
-    assert sorted(p.name for p in out.glob("*/*.png")) == ["phases.png", "phases.png", "ttft_per_turn.png",
-                                                           "ttft_tpot_vs_rate.png"]
+    assert sorted(p.name for p in out.glob("*/*.png")) == ["isolated_phases.png", "phases.png", "ttft_per_turn.png"]

@@ -11,7 +11,7 @@ import pytest
 from kvhandoff.sim.calibrate import Costs, Linear
 from kvhandoff.serve.router import policies
 from kvhandoff.serve.router.policies import DecodePolicy
-from kvhandoff.sim.fleet import LATE_BINDING_MARGIN, POLICIES, Fleet, Job, poisson_jobs
+from kvhandoff.sim.fleet import LATE_BINDING_MARGIN, POLICIES, Fleet, Job, Link, poisson_jobs
 
 
 def costs(**changes) -> Costs:
@@ -95,3 +95,35 @@ def test_every_job_finishes_with_its_tokens(rate):
     assert len(done) == 50
     for d in done:
         assert d["tpot_ms"] is not None and d["phases_ms"]["prefill_queue"] >= 0 and d["decode_worker"] in (0, 1)
+
+
+def test_behind_a_link_the_transfer_is_bytes_over_rate_and_layer_wise_push_hides_it():
+    """One 1,000-token prompt at a time (20 ms to compute, 2 MB of KV): at 1 Gbit/s the KV takes 16.8 ms,
+    under the prompt: pull pays it all after the prompt, layer-wise push only the last layer's share;
+    at 100 Mbit/s (168 ms) layer-wise push is bound by the link, not the prompt."""
+    fixed = costs(prefill_ms=Linear(0.0, 0.02), transfer_ms=Linear(0.5, 0.0), prefill_spread=[0.0],
+                  prompt_tokens=[1000], output_tokens=[8])
+    jobs = lambda: [Job(i, i * 1.0, 1000, 8) for i in range(4)]     # a second apart: nothing queues
+    send_ms = lambda gbit: 1000 * 2048 * 8 / (gbit * 1e9) * 1e3
+    for gbit in (1.0, 0.1):
+        pull = Fleet(fixed, 1, 2, "round-robin", "late", link=Link(gbit * 1e9, layerwise=True, layers=10)).run(jobs())
+        push = Fleet(fixed, 1, 2, "round-robin", "early", link=Link(gbit * 1e9, layerwise=True, layers=10)).run(jobs())
+        whole = Fleet(fixed, 1, 2, "round-robin", "early", link=Link(gbit * 1e9, layerwise=False)).run(jobs())
+        for d in pull + whole:
+            assert d["phases_ms"]["transfer"] == pytest.approx(send_ms(gbit) + 0.5, rel=1e-6)
+        tail = max(send_ms(gbit) / 10, send_ms(gbit) + 20.0 / 10 - 20.0)     # the link starts after layer 1
+        for d in push:
+            assert d["phases_ms"]["transfer"] == pytest.approx(tail + 0.5, rel=1e-6)
+    # Prompts back to back on one prefill worker share its link: the second one's KV waits for the first's.
+    burst = [Job(i, 0.0, 1000, 8) for i in range(2)]
+    slow = Fleet(fixed, 1, 2, "round-robin", "late", link=Link(0.1e9)).run(burst)
+    assert slow[1]["phases_ms"]["transfer"] == pytest.approx(2 * send_ms(0.1) - 20.0 + 0.5, rel=1e-6)
+
+
+def test_output_lengths_can_be_drawn_with_a_chosen_spread():
+    even = poisson_jobs(costs(), 10.0, 400, 0, output_cv=0.0)
+    assert {j.output_tokens for j in even} == {37}                 # the run's mean (16, 32, 64 -> 37.3)
+    tailed = [j.output_tokens for j in poisson_jobs(costs(), 10.0, 4000, 0, output_cv=2.0)]
+    mean = sum(tailed) / len(tailed)
+    assert 30 < mean < 45 and max(tailed) > 10 * mean and sorted(tailed)[len(tailed) // 2] < mean
+    assert [j.arrival_s for j in even] == [j.arrival_s for j in poisson_jobs(costs(), 10.0, 400, 0)]

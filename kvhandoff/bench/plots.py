@@ -2,7 +2,8 @@
 
 - ttft_tpot_vs_rate.png: TTFT and TPOT (p50 solid, p90 dashed) against the arrival rate, one line per
   mode (grid workloads: points with a rate).
-- phases.png: the handoff phases' p50 per point, stacked (what a request's time went to).
+- phases.png: the handoff phases' p50 per point, stacked (what a request's time went to); the demo's
+  isolated_phases.png the same for isolated requests per stack, with the client's TTFT marked.
 - ttft_per_turn.png: median TTFT per turn index, one line per mode (multi-turn workloads).
 - imbalance.png: over each point's time, the most sequences on one decode worker less the fewest
   on another (sampled from the router's /health), one line per point (fleets of 2+ decode workers).
@@ -55,17 +56,27 @@ def phase_plot(summaries: list[dict], path: Path) -> bool:
     phased = [s for s in summaries if s["phases_ms"]]
     if not phased:
         return False
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(phased) + 1.8))
-    labels = [s["label"] for s in phased]
-    left = [0.0] * len(phased)
+    return stacked_phases([s["label"] for s in phased],
+                          [{p: s["phases_ms"].get(p, {}).get("p50") for p in PHASES} for s in phased], path,
+                          "ms (p50 of each phase)", "where a request's time went (server-reported handoff phases)")
+
+
+def stacked_phases(labels: list[str], phases: list[dict], path: Path, xlabel: str, title: str,
+                   ttft_ms: list[float | None] | None = None) -> bool:
+    """One horizontal bar per label, its phases (ms) stacked in PHASES order, over a grey bar of the TTFT
+    where given (what the client saw: the phases plus HTTP, routing and tokenizing)."""
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(labels) + 2.4))
+    if ttft_ms:
+        ax.barh(labels, [t or 0.0 for t in ttft_ms], color="0.85", label="TTFT (client)")
+    left = [0.0] * len(labels)
     for phase in PHASES:
-        widths = [s["phases_ms"].get(phase, {}).get("p50") or 0.0 for s in phased]
+        widths = [row.get(phase) or 0.0 for row in phases]
         ax.barh(labels, widths, left=left, label=phase)
         left = [a + b for a, b in zip(left, widths)]
-    ax.set_xlabel("ms (p50 of each phase)")
-    ax.set_title("where a request's time went (server-reported handoff phases)")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
     ax.invert_yaxis()
-    ax.legend(fontsize=8, ncols=3, loc="lower right")
+    ax.legend(fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(labels)))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -5,9 +5,13 @@ then (given rates) run it on fleets and loads real hardware here cannot reach.
     kvhandoff simulate --calibrate bench-out --prefill 8 --decode 32 --rates 50,100,200 \\
         --policies round-robin,load --bindings early,late,late-bound [--requests 2000] [--seed 0]
 
+    kvhandoff simulate --calibrate bench-out --prefill 8 --decode 32 --rates 50,100 --bindings early,late \
+        --links free,10gbit,1gbit --transfer layerwise --output-cv 0,1,2         # where each binding wins
+
 The first form replays the calibration point's own arrivals and lengths on its own fleet and prints
 each phase's median, real against simulated. The second prints TTFT and TPOT p50/p90/p99, goodput
-and late-binding moves per (rate, policy, binding). `--json FILE` writes everything.
+and late-binding moves per (link, output-length spread, rate, policy, binding), and with more than
+one binding the best one per point. `--json FILE` writes everything.
 """
 from __future__ import annotations
 
@@ -17,11 +21,13 @@ import statistics
 from pathlib import Path
 
 from kvhandoff.sim.calibrate import Costs, fit, load_run, phase, usable
-from kvhandoff.sim.fleet import BINDINGS, POLICIES, Fleet, Job, poisson_jobs
+from kvhandoff.serve.netlink import LinkSpec
+from kvhandoff.sim.fleet import BINDINGS, POLICIES, Fleet, Job, Link, poisson_jobs
 
 COMPARED = ("prefill_queue", "prefill_compute", "transfer", "ttft", "tpot")
 TOLERANCE = 0.15            # issue 14: the fitted costs reproduce the calibration run's medians within 15%
 ABS_FLOOR_MS = 1.0          # ... or within this, for phases of a millisecond or less (15% of 0.2 ms is noise)
+FREE = "free"               # --links: the transfer as the calibration run measured it
 
 
 def value(row: dict, name: str) -> float | None:
@@ -34,6 +40,10 @@ def value(row: dict, name: str) -> float | None:
 def percentile(values: list[float], q: float) -> float | None:
     import numpy        # (not at import: `kvhandoff --help` builds this command's parser)
     return float(numpy.percentile(values, q)) if values else None
+
+
+def fmt_cv(cv: float | None) -> str:
+    return "run" if cv is None else f"{cv:g}"
 
 
 REPLAYS = 16                # the replay's own draws: pooled over this many seeds, so its median is not a sample's
@@ -58,21 +68,44 @@ def reproduce(costs: Costs, rows: list[dict], seed: int = 0) -> dict:
 
 def scaled(costs: Costs, args) -> list[dict]:
     points = []
-    for rate in args.rates:
-        jobs = poisson_jobs(costs, rate, args.requests, args.seed)
-        for policy in args.policies:
-            for binding in args.bindings:
-                fleet = Fleet(costs, args.prefill, args.decode, policy, binding, args.poll_s, args.seed)
-                done = fleet.run([Job(j.index, j.arrival_s, j.prompt_tokens, j.output_tokens) for j in jobs])
-                ttft, tpot = [d["ttft_ms"] for d in done], [d["tpot_ms"] for d in done if d["tpot_ms"] is not None]
-                good = sum(1 for d in done if (args.slo_ttft_ms is None or d["ttft_ms"] <= args.slo_ttft_ms)
-                           and (args.slo_tpot_ms is None or (d["tpot_ms"] or 0) <= args.slo_tpot_ms))
-                points.append({"rate": rate, "policy": policy, "binding": binding, "requests": len(done),
-                               **{f"ttft_p{q}_ms": percentile(ttft, q) for q in (50, 90, 99)},
-                               **{f"tpot_p{q}_ms": percentile(tpot, q) for q in (50, 90, 99)},
-                               "goodput": good / len(done), "moved": sum(1 for d in done if d["moved_from"] is not None),
-                               "prefill_queue_p50_ms": percentile([d["phases_ms"]["prefill_queue"] for d in done], 50)})
+    for link_name in args.links:
+        link = Link(None if link_name == FREE else LinkSpec.parse(link_name).bits_per_s, args.transfer == "layerwise",
+                    args.layers)
+        for cv in args.output_cv:
+            for rate in args.rates:
+                jobs = poisson_jobs(costs, rate, args.requests, args.seed, cv)
+                for policy in args.policies:
+                    for binding in args.bindings:
+                        fleet = Fleet(costs, args.prefill, args.decode, policy, binding, args.poll_s, args.seed, link)
+                        done = fleet.run([Job(j.index, j.arrival_s, j.prompt_tokens, j.output_tokens) for j in jobs])
+                        points.append({"link": link_name, "output_cv": cv, "rate": rate, "policy": policy,
+                                       "binding": binding, **measures(done, args)})
     return points
+
+
+def measures(done: list[dict], args) -> dict:
+    ttft, tpot = [d["ttft_ms"] for d in done], [d["tpot_ms"] for d in done if d["tpot_ms"] is not None]
+    good = sum(1 for d in done if (args.slo_ttft_ms is None or d["ttft_ms"] <= args.slo_ttft_ms)
+               and (args.slo_tpot_ms is None or (d["tpot_ms"] or 0) <= args.slo_tpot_ms))
+    return {"requests": len(done), **{f"ttft_p{q}_ms": percentile(ttft, q) for q in (50, 90, 99)},
+            **{f"tpot_p{q}_ms": percentile(tpot, q) for q in (50, 90, 99)},
+            "goodput": good / len(done), "moved": sum(1 for d in done if d["moved_from"] is not None),
+            **{f"{p}_p50_ms": percentile([d["phases_ms"][p] for d in done], 50) for p in ("prefill_queue", "transfer")}}
+
+
+def verdicts(points: list[dict]) -> list[dict]:
+    """Per (link, output spread, rate, policy): which binding did best, by goodput, then TTFT p90 (a
+    tie within 1% goodput goes to TTFT): where late binding beats early binding and where not."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in points:
+        groups.setdefault((p["link"], p["output_cv"], p["rate"], p["policy"]), []).append(p)
+    out = []
+    for (link, cv, rate, policy), rows in groups.items():
+        best = max(rows, key=lambda r: (round(r["goodput"], 2), -r["ttft_p90_ms"]))
+        out.append({"link": link, "output_cv": cv, "rate": rate, "policy": policy, "best": best["binding"],
+                    **{r["binding"]: {"goodput": r["goodput"], "ttft_p90_ms": r["ttft_p90_ms"],
+                                      "tpot_p90_ms": r["tpot_p90_ms"]} for r in rows}})
+    return out
 
 
 def print_costs(costs: Costs) -> None:
@@ -104,12 +137,17 @@ def main(args: argparse.Namespace) -> int:
     if args.rates:
         report["scaled"] = scaled(costs, args)
         print(f"\n{args.prefill}P/{args.decode}D, {args.requests} requests per point, seed {args.seed}:")
-        print(f"{'rate':>7} {'policy':<17} {'binding':<10} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
+        print(f"{'link':>8} {'cv':>5} {'rate':>7} {'policy':<17} {'binding':<10} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
               f"{'TPOT p50':>9} {'p90':>7} {'p99':>7} {'goodput':>8} {'moved':>6}")
         for p in report["scaled"]:
-            print(f"{p['rate']:>7g} {p['policy']:<17} {p['binding']:<10} {p['ttft_p50_ms']:9.1f} {p['ttft_p90_ms']:8.1f} "
-                  f"{p['ttft_p99_ms']:8.1f} {p['tpot_p50_ms']:9.2f} {p['tpot_p90_ms']:7.2f} {p['tpot_p99_ms']:7.2f} "
-                  f"{p['goodput']:8.0%} {p['moved']:>6}")
+            print(f"{p['link']:>8} {fmt_cv(p['output_cv']):>5} {p['rate']:>7g} {p['policy']:<17} {p['binding']:<10} "
+                  f"{p['ttft_p50_ms']:9.1f} {p['ttft_p90_ms']:8.1f} {p['ttft_p99_ms']:8.1f} {p['tpot_p50_ms']:9.2f} "
+                  f"{p['tpot_p90_ms']:7.2f} {p['tpot_p99_ms']:7.2f} {p['goodput']:8.0%} {p['moved']:>6}")
+        if len(args.bindings) > 1:
+            report["verdicts"] = verdicts(report["scaled"])
+            print("\nthe best binding per point (goodput first, then TTFT p90):")
+            for v in report["verdicts"]:
+                print(f"{v['link']:>8} {fmt_cv(v['output_cv']):>5} {v['rate']:>7g} {v['policy']:<17} {v['best']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
@@ -124,11 +162,26 @@ def defaults(args: argparse.Namespace, costs: Costs) -> None:
         raise SystemExit(f"kvhandoff simulate: --rates must be numbers, not {args.rates!r}") from None
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()] or [costs.decode_policy]
     args.bindings = [x.strip() for x in args.bindings.split(",") if x.strip()] or [Fleet(costs, 1, 1).binding]
+    args.links = [x.strip() for x in args.links.split(",") if x.strip()] or [FREE]
+    bad_links = []
+    for link in args.links:
+        try:
+            link == FREE or LinkSpec.parse(link)
+        except ValueError as exc:
+            bad_links.append(str(exc))
+    if bad_links:
+        raise SystemExit(f"kvhandoff simulate: {'; '.join(bad_links)}")
+    try:
+        args.output_cv = [None if x.strip() == "run" else float(x) for x in args.output_cv.split(",") if x.strip()] or [None]
+    except ValueError:
+        raise SystemExit(f"kvhandoff simulate: --output-cv takes numbers or 'run', not {args.output_cv!r}") from None
+    args.transfer = args.transfer or ("layerwise" if costs.mode == "push-layerwise" else "whole")
     args.prefill = args.prefill or len(costs.prefill_workers)
     args.decode = args.decode or len(costs.decode_workers)
     bad = ([f"policy {p!r}" for p in args.policies if p not in POLICIES]
            + [f"binding {b!r}" for b in args.bindings if b not in BINDINGS]
            + [f"rate {r:g}" for r in args.rates if r <= 0]
+           + [f"output cv {c:g}" for c in args.output_cv if c is not None and c < 0]
            + ([f"{args.prefill} prefill and {args.decode} decode workers"] if min(args.prefill, args.decode) < 1 else []))
     if bad:
         raise SystemExit(f"kvhandoff simulate: unknown or impossible {', '.join(bad)}; policies: "
@@ -146,6 +199,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bindings", default="", help="early (push), late (pull), late-bound (push with moves); "
                                                   "comma-separated (default: the run's)")
     p.add_argument("--poll-s", type=float, default=None, help="the router's poll interval (default: the run's)")
+    p.add_argument("--links", default="", help="links between prefill and decode workers, comma-separated: free (the "
+                                               "transfer as the run measured it) or a rate like 10gbit, 1gbit "
+                                               "(default: free)")
+    p.add_argument("--transfer", choices=("whole", "layerwise"), default=None,
+                   help="behind a link, how push bindings send: all after the prompt, or each layer as computed "
+                        "(default: the run's mode's)")
+    p.add_argument("--layers", type=int, default=30, help="the model's layers, for layer-wise sending "
+                                                          "(default: %(default)s, SmolLM2-135M's)")
+    p.add_argument("--output-cv", default="run", help="output lengths: run (the run's) or coefficients of variation "
+                                                      "of a lognormal with the run's mean, comma-separated, e.g. "
+                                                      "0,1,2 (default: %(default)s)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -11,9 +11,14 @@ random.Random). What it models, and what it leaves out:
   binding (push) a request is moved once at a poll that finds its worker fallen behind, before its
   prompt is computed. `load` and late binding read a snapshot taken every poll interval, as the
   router does; the router's own in-flight counts are exact;
-- after the prompt: handoff_wait (median), the transfer (fitted on bytes; links are not shared, so
-  concurrent transfers do not slow each other), then the first token reaches the client after its
-  decode worker's fitted delay, and from then on the request is in that worker's batch;
+- after the prompt: handoff_wait (median), the transfer, then the first token reaches the client after
+  its decode worker's fitted delay, and from then on the request is in that worker's batch. The
+  transfer is the fitted one (on bytes, as the calibration run moved them: concurrent transfers do
+  not slow each other), or behind a `Link` of a given rate: bytes / rate through the prefill worker's
+  one link, which its transfers take in turn (the decode side's links are taken as never the
+  bottleneck), plus the fitted fixed part. With layer-wise push (`Link.layerwise`, bindings early and
+  late-bound) the KV leaves as the layers are computed: the link starts after the first layer and
+  the last layer's share follows the prompt's end; pull (late binding) moves it all after the prompt;
 - a decode worker steps while it has sequences, each step costing its fitted time at that batch
   size, one token per sequence per step; a worker of a scaled fleet takes the costs of the real
   worker at its index modulo the real count (a slow one stays slow, in the same share);
@@ -26,6 +31,7 @@ random.Random). What it models, and what it leaves out:
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -79,10 +85,21 @@ class Decoder:
     routed_since_poll: int = 0
 
 
+@dataclass(frozen=True)
+class Link:
+    """The link between prefill and decode workers; bits_per_s None: the transfer as fitted."""
+    bits_per_s: float | None = None
+    layerwise: bool = False          # push bindings send each layer as it is computed
+    layers: int = 30                 # SmolLM2-135M's: the last layer's share of the KV follows the prompt
+
+
 class Fleet:
     def __init__(self, costs: Costs, num_prefill: int, num_decode: int, policy: str | None = None,
-                 binding: str | None = None, poll_s: float | None = None, seed: int = 0):
+                 binding: str | None = None, poll_s: float | None = None, seed: int = 0,
+                 link: Link = Link()):
         self.costs = costs
+        self.link = link
+        self.link_free = [0.0] * num_prefill         # when each prefill worker's link is next idle
         self.policy = policy or costs.decode_policy
         mode_binding = "late" if costs.mode.startswith("pull") else ("late-bound" if costs.late_binding else "early")
         self.binding = binding or mode_binding          # early (push), late (pull), late-bound (push + moves)
@@ -194,8 +211,22 @@ class Fleet:
         if self.binding == "late":
             self.bind(job, self.pick_decode())
         mib = job.prompt_tokens * self.costs.kv_bytes_per_token / 2**20
-        landed = self.now + (self.costs.handoff_wait_ms + self.costs.transfer_ms(mib)) / 1e3
-        self.at(landed, self.land, job)
+        self.at(self.moved(job, mib) + self.costs.handoff_wait_ms / 1e3, self.land, job)
+
+    def moved(self, job: Job, mib: float) -> float:
+        """When the job's KV has crossed the link (before the handoff's coordination)."""
+        link = self.link
+        if link.bits_per_s is None:
+            return self.now + self.costs.transfer_ms(mib) / 1e3
+        send_s = mib * 2**20 * 8 / link.bits_per_s
+        if link.layerwise and self.binding != "late":
+            first_layer = job.prefill_start + (self.now - job.prefill_start) / link.layers
+            start = max(first_layer, self.link_free[job.prefill])
+            end = max(start + send_s, self.now + send_s / link.layers)
+        else:
+            end = max(self.now, self.link_free[job.prefill]) + send_s
+        self.link_free[job.prefill] = end
+        return end + self.costs.transfer_ms.a / 1e3
 
     # -- decode --------------------------------------------------------------------------------------
     def land(self, job: Job) -> None:
@@ -238,13 +269,20 @@ class Fleet:
         self.pending -= 1
 
 
-def poisson_jobs(costs: Costs, rate: float, count: int, seed: int) -> list[Job]:
-    """`count` arrivals at `rate` per second, lengths drawn from the calibration run's (with its pairs)."""
-    rng = random.Random(seed)
+def poisson_jobs(costs: Costs, rate: float, count: int, seed: int, output_cv: float | None = None) -> list[Job]:
+    """`count` arrivals at `rate` per second, lengths drawn from the calibration run's (with its pairs);
+    with `output_cv`, output lengths are drawn instead from a lognormal of the run's mean output length
+    and that coefficient of variation (0: all equal; 2: heavy-tailed, a few answers many times the mean),
+    from a generator of their own: every spread gets the same arrivals and prompts."""
+    rng, lengths = random.Random(seed), random.Random(f"{seed}-outputs")
     pairs = list(zip(costs.prompt_tokens, costs.output_tokens))
+    mean = statistics.fmean(costs.output_tokens)
+    sigma = math.sqrt(math.log(1 + output_cv ** 2)) if output_cv else 0.0
     t, jobs = 0.0, []
     for i in range(count):
         prompt, output = rng.choice(pairs)
+        if output_cv is not None:
+            output = max(2, round(lengths.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma)))
         jobs.append(Job(i, t, prompt, output))
         t += rng.expovariate(rate)
     return jobs
