@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvhandoff.sim.calibrate import Costs, Linear
+from kvhandoff.sim.calibrate import Costs, Linear, link_of
 from kvhandoff.serve.router import policies
 from kvhandoff.serve.router.policies import DecodePolicy
 from kvhandoff.sim.fleet import LATE_BINDING_MARGIN, POLICIES, Fleet, Job, Link, poisson_jobs
@@ -115,8 +115,9 @@ def test_behind_a_link_the_transfer_is_bytes_over_rate_and_layer_wise_push_hides
         for d in push:
             assert d["phases_ms"]["transfer"] == pytest.approx(tail + 0.5, rel=1e-6)
     # Prompts back to back on one prefill worker share its link: the second one's KV waits for the first's.
+    # (A step budget of one whole prompt: each is computed in a step of its own, one after the other.)
     burst = [Job(i, 0.0, 1000, 8) for i in range(2)]
-    slow = Fleet(fixed, 1, 2, "round-robin", "late", link=Link(0.1e9)).run(burst)
+    slow = Fleet(fixed, 1, 2, "round-robin", "late", link=Link(0.1e9), token_budget=1000).run(burst)
     assert slow[1]["phases_ms"]["transfer"] == pytest.approx(2 * send_ms(0.1) - 20.0 + 0.5, rel=1e-6)
 
 
@@ -127,3 +128,8 @@ def test_output_lengths_can_be_drawn_with_a_chosen_spread():
     mean = sum(tailed) / len(tailed)
     assert 30 < mean < 45 and max(tailed) > 10 * mean and sorted(tailed)[len(tailed) // 2] < mean
     assert [j.arrival_s for j in even] == [j.arrival_s for j in poisson_jobs(costs(), 10.0, 400, 0)]
+
+
+def test_a_run_behind_an_emulated_link_is_replayed_behind_it():
+    assert link_of("push-layerwise+late-binding+link=200mbit") == 200e6 and link_of("pull+link=1gbit") == 1e9
+    assert link_of("push+decode-policy=load") is None

@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import math
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -29,23 +31,35 @@ def by_mode(summaries: list[dict]) -> dict[str, list[dict]]:
     return modes
 
 
+def by_link(modes: dict[str, list[dict]]) -> dict[str, dict[str, list[dict]]]:
+    """Modes grouped by the emulated link their launch spec names (`+link=RATE`; else free), each
+    mode's name without it: one panel row per link keeps a many-stack run readable."""
+    links: dict[str, dict[str, list[dict]]] = defaultdict(dict)
+    for mode, points in modes.items():
+        m = re.search(r"\+link=([^+]+)", mode)
+        links[m[1] if m else "free"][mode.replace(m[0], "") if m else mode] = points
+    return links
+
+
 def rate_plot(summaries: list[dict], path: Path) -> bool:
     rated = [s for s in summaries if s["rate"] is not None and s["ttft_ms"].get("n")]
     if not rated:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode, points in by_mode(rated).items():
-        points.sort(key=lambda s: s["rate"])
-        rates = [s["rate"] for s in points]
-        for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
-            line, = ax.plot(rates, [s[key]["p50"] for s in points], marker="o", label=f"{mode} p50")
-            ax.plot(rates, [s[key]["p90"] for s in points], linestyle="--", color=line.get_color(), alpha=0.7,
-                    label=f"{mode} p90")
-    for ax, title in zip(axes, ("time to first token (ms)", "time per output token (ms)")):
-        ax.set_xlabel("arrival rate (requests/s)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    links = by_link(by_mode(rated))
+    fig, axes = plt.subplots(len(links), 2, figsize=(11, 4.2 * len(links)), squeeze=False)
+    for row, (link, modes) in zip(axes, links.items()):
+        for mode, points in modes.items():
+            points.sort(key=lambda s: s["rate"])
+            rates = [s["rate"] for s in points]
+            for ax, key in zip(row, ("ttft_ms", "tpot_ms")):
+                line, = ax.plot(rates, [s[key]["p50"] for s in points], marker="o", label=f"{mode} p50")
+                ax.plot(rates, [s[key]["p90"] for s in points], linestyle="--", color=line.get_color(), alpha=0.7,
+                        label=f"{mode} p90")
+        for ax, title in zip(row, ("time to first token (ms)", "time per output token (ms)")):
+            ax.set_xlabel("arrival rate (requests/s)")
+            ax.set_title(title if len(links) == 1 else f"{title}, {link} link")
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -99,15 +113,32 @@ def turn_plot(rows: list[dict], path: Path) -> bool:
 
 
 def imbalance_plot(summaries: list[dict], path: Path) -> bool:
-    sampled = [s for s in summaries if s.get("decode_imbalance")]
+    """One panel per stack (mode), a line per rate: the most sequences on one decode worker less the
+    fewest on another, over the point's time."""
+    sampled = by_mode([s for s in summaries if s.get("decode_imbalance")])
     if not sampled:
         return False
-    fig, ax = plt.subplots(figsize=(9, 4.2))
-    for s in sampled:
-        points = [(t, max(load.values()) - min(load.values())) for t, load in s["timeline"] if len(load) > 1]
-        ax.plot([t for t, _ in points], [v for _, v in points], label=s["label"], alpha=0.8)
-    return save_lines(fig, ax, path, "s into the point", "sequences: busiest - idlest decode worker",
-                      "decode load imbalance over time")
+    cols = min(3, len(sampled))
+    rows = math.ceil(len(sampled) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows + 0.6), squeeze=False, sharex=True,
+                             sharey=True)
+    for ax, (mode, points) in zip(axes.flat, sampled.items()):
+        for s in points:
+            load = [(t, max(ld.values()) - min(ld.values())) for t, ld in s["timeline"] if len(ld) > 1]
+            ax.plot([t for t, _ in load], [v for _, v in load], alpha=0.8,
+                    label=s["label"].removeprefix(mode) or s["label"])
+        ax.set_title(mode, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.flat[len(sampled):]:
+        ax.set_visible(False)
+    fig.supxlabel("s into the point")
+    fig.supylabel("sequences: busiest - idlest decode worker")
+    fig.suptitle("decode load imbalance over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def save_lines(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> bool:

@@ -2,8 +2,9 @@
 never from the engine: the simulator reads bench results only.
 
 From one measured point of a disaggregated stack:
-- prefill: `prefill_compute` ms as a linear function of the tokens the prefill worker computed
-  (prompt tokens less the reused ones);
+- prefill: `prefill_compute` ms as a linear function of the tokens the prefill worker computed during
+  the prompt's window (its own, prompt tokens less the reused ones, and those of the prompts computed
+  beside it, pro rata): the cost of an engine step's tokens;
 - transfer: the `transfer` phase as a linear function of the bytes moved;
 - decode: per decode worker, ms per step as a linear function of the sequences it stepped with. A
   request's TPOT is its mean step time; the sequences beside it are counted from the other requests'
@@ -19,14 +20,18 @@ From one measured point of a disaggregated stack:
   step), and what its first token took beyond the phases; the simulator draws from
   these, seeded, so that it reproduces percentiles and medians of mixtures, not just the lines;
 - the fleet: its prefill and decode workers, decode policy, late binding and poll interval, as the
-  router's /health reported them when the point started.
+  router's /health reported them when the point started, and the emulated link its launch spec
+  named (`+link=RATE`): a replay of such a run sends the KV through a link of that rate.
 """
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from kvhandoff.serve.netlink import LinkSpec
 
 
 @dataclass
@@ -58,7 +63,7 @@ class Linear:
 class Costs:
     label: str                               # the bench point it was fitted on
     mode: str                                # pull, pull-reader, push, push-layerwise
-    prefill_ms: Linear                       # per computed prompt tokens
+    prefill_ms: Linear                       # per prompt tokens computed in a step (or a window of steps)
     transfer_ms: Linear                      # per MiB moved
     step_ms: dict[str, Linear]               # decode worker URL -> ms per step, per sequence in its batch
     handoff_wait_ms: float
@@ -70,9 +75,10 @@ class Costs:
     decode_policy: str = "fewest-in-flight"
     late_binding: bool = False
     poll_s: float = 1.0
+    link_bits_per_s: float | None = None     # the run's emulated link (its launch spec's +link=RATE), if any
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
-    prefill_spread: list[float] = field(default_factory=list)           # measured - fitted prefill_compute, ms
+    prefill_spread: list[float] = field(default_factory=list)           # measured - fitted prefill window, ms
     step_spread: dict[str, list[float]] = field(default_factory=dict)    # decode worker URL -> TPOT / fitted
 
     def to_json(self) -> dict:
@@ -113,6 +119,22 @@ def batch_sizes(rows: list[dict]) -> list[float]:
     return sizes
 
 
+def prefill_work(rows: list[dict], computed: list[int]) -> list[float]:
+    """Per row: the prompt tokens its prefill worker computed during its prefill window (its own and,
+    pro rata, those of every prompt whose window overlapped it on that worker). The engine computes
+    the prompts it holds together, a step at a time, so a prompt's time is the cost of everything
+    computed beside it: fitted against this, the line is the cost of a step's tokens."""
+    windows = [(r["handoff"].get("prefill_worker"), r["sent_s"] + phase(r, "prefill_queue") / 1e3,
+                r["sent_s"] + (phase(r, "prefill_queue") + phase(r, "prefill_compute")) / 1e3, n)
+               for r, n in zip(rows, computed)]
+    work = []
+    for i, (worker, start, end, tokens) in enumerate(windows):
+        beside = sum(n * max(0.0, min(end, e) - max(start, s)) / max(e - s, 1e-9)
+                     for j, (w, s, e, n) in enumerate(windows) if j != i and w == worker)
+        work.append(tokens + beside)
+    return work
+
+
 def admission(rows: list[dict]) -> float:
     """The median prefill_queue of the requests that arrived while no other was being prefilled (all of
     them if none did): the queue phase's fixed part."""
@@ -121,6 +143,12 @@ def admission(rows: list[dict]) -> float:
     idle = [phase(r, "prefill_queue") for i, r in enumerate(rows)
             if not any(s <= r["sent_s"] < e for j, (s, e) in enumerate(spans) if j != i)]
     return statistics.median(idle or [phase(r, "prefill_queue") for r in rows])
+
+
+def link_of(spec: str) -> float | None:
+    """The emulated link's rate in a `kvhandoff bench --launch` spec (push+link=1gbit), if it names one."""
+    m = re.search(r"\+link=([^+@,]+)", spec)
+    return LinkSpec(m[1]).bits_per_s if m else None
 
 
 def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
@@ -156,7 +184,8 @@ def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
                                                                    "handoff_wait", "transfer"))
                     for r in mine if r["handoff"]["decode_worker"] == url] for url in decode}
     typical = [statistics.median(v for values in beyond.values() for v in values)]
-    prefill_ms = Linear.fit(computed, [phase(r, "prefill_compute") for r in mine])
+    work = prefill_work(mine, computed)
+    prefill_ms = Linear.fit(work, [phase(r, "prefill_compute") for r in mine])
     spread = {url: [r["tpot_ms"] / steps[url](b) for b, r in zip(sizes, mine)
                     if r["handoff"]["decode_worker"] == url and steps[url](b) > 0] or [1.0] for url in decode}
     return Costs(
@@ -165,11 +194,11 @@ def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
         transfer_ms=Linear.fit(mib, [phase(r, "transfer") for r in mine]), step_ms=steps,
         handoff_wait_ms=statistics.median(phase(r, "handoff_wait") or 0 for r in mine), admission_ms=admission(mine),
         first_token_ms={url: [max(0.0, x) for x in (v or typical)] for url, v in beyond.items()},
-        prefill_spread=[phase(r, "prefill_compute") - prefill_ms(n) for r, n in zip(mine, computed)],
+        prefill_spread=[phase(r, "prefill_compute") - prefill_ms(w) for r, w in zip(mine, work)],
         step_spread=spread,
         kv_bytes_per_token=statistics.median((r["handoff"].get("bytes_transferred") or 0) / max(1, n)
                                              for r, n in zip(mine, computed)),
         prefill_workers=prefill, decode_workers=decode,
         decode_policy=server.get("decode_policy", "fewest-in-flight"), late_binding=bool(server.get("late_binding")),
-        poll_s=float(server.get("health_interval") or 1.0),
+        poll_s=float(server.get("health_interval") or 1.0), link_bits_per_s=link_of(points[label].get("mode") or ""),
         prompt_tokens=[r["prompt_tokens"] for r in mine], output_tokens=[r["output_tokens"] for r in mine])

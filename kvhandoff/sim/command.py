@@ -49,13 +49,15 @@ def fmt_cv(cv: float | None) -> str:
 REPLAYS = 16                # the replay's own draws: pooled over this many seeds, so its median is not a sample's
 
 
-def reproduce(costs: Costs, rows: list[dict], seed: int = 0) -> dict:
-    """Replay the calibration point on its own fleet: medians per phase, real and simulated."""
+def reproduce(costs: Costs, rows: list[dict], seed: int = 0, layers: int = 30) -> dict:
+    """Replay the calibration point on its own fleet (behind its link, if it had one): medians per
+    phase, real and simulated."""
     real = sorted((r for r in rows if r["point"] == costs.label and usable(r)), key=lambda r: r["sent_s"])
     simulated = []
     for k in range(REPLAYS):
         jobs = [Job(i, r["sent_s"], r["prompt_tokens"], r["output_tokens"]) for i, r in enumerate(real)]
-        simulated += Fleet(costs, len(costs.prefill_workers), len(costs.decode_workers), seed=seed + k).run(jobs)
+        simulated += Fleet(costs, len(costs.prefill_workers), len(costs.decode_workers), seed=seed + k,
+                           link=Link(costs.link_bits_per_s, costs.mode == "push-layerwise", layers)).run(jobs)
     out = {}
     for name in COMPARED:
         got = statistics.median(v for s in simulated if (v := value(s, name)) is not None)
@@ -128,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvhandoff simulate: {exc}") from None
     defaults(args, costs)
     print_costs(costs)
-    report = {"costs": costs.to_json(), "reproduction": reproduce(costs, rows, args.seed)}
+    report = {"costs": costs.to_json(), "reproduction": reproduce(costs, rows, args.seed, args.layers)}
     print("\nthe calibration point replayed on its own fleet (medians, ms):")
     for name, r in report["reproduction"].items():
         print(f"  {name:<16} real {r['real_ms']:9.2f}  simulated {r['sim_ms']:9.2f}  "

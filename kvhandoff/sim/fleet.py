@@ -3,9 +3,11 @@ each phase costing what calibrate.py fitted from a real run. Deterministic under
 random.Random). What it models, and what it leaves out:
 
 - arrivals go to the prefill worker with the fewest requests (the router's default), where they queue
-  after the fitted admission time (HTTP, admission: paid with nobody ahead too); it computes prompts
-  one at a time, first come first served (the engine batches prompt chunks: close enough
-  while prompts are not much shorter than its token budget);
+  after the fitted admission time (HTTP, admission: paid with nobody ahead too); it computes them
+  in steps as the engine does: each step takes up to `token_budget` prompt tokens (the engine's
+  --max-num-batched-tokens, 512 by default) from the queue's head, chunking a long prompt, and costs
+  the fitted line at those tokens plus a measured residual; a prompt is computed when the step with
+  its last chunk ends (a burst of short prompts shares steps instead of queueing one behind another);
 - the decode worker is chosen by the run's decode policy (round-robin, fewest-in-flight, load) at
   arrival (push: early binding) or when the prompt is computed (pull: late binding); with late
   binding (push) a request is moved once at a poll that finds its worker fallen behind, before its
@@ -59,6 +61,7 @@ class Job:
     end: float = 0.0
     steps_left: int = 0
     tpot_scale: float = 1.0
+    to_prefill: int = 0
 
     def report(self, costs: Costs) -> dict:
         tpot = (self.end - self.first_token) / (self.output_tokens - 1) if self.output_tokens > 1 else None
@@ -96,8 +99,9 @@ class Link:
 class Fleet:
     def __init__(self, costs: Costs, num_prefill: int, num_decode: int, policy: str | None = None,
                  binding: str | None = None, poll_s: float | None = None, seed: int = 0,
-                 link: Link = Link()):
+                 link: Link = Link(), token_budget: int = 512):
         self.costs = costs
+        self.token_budget = token_budget
         self.link = link
         self.link_free = [0.0] * num_prefill         # when each prefill worker's link is next idle
         self.policy = policy or costs.decode_policy
@@ -192,22 +196,38 @@ class Fleet:
         self.at(self.now + self.costs.admission_ms / 1e3, self.admitted, job)
 
     def admitted(self, job: Job) -> None:
+        job.to_prefill = max(1, job.prompt_tokens)
         self.prefill_queues[job.prefill].append(job)
         self.start_prefill(job.prefill)
 
     def start_prefill(self, p: int) -> None:
+        """A step over the head of the queue: up to the token budget, the last prompt maybe in part."""
         if self.prefill_busy[p] or not self.prefill_queues[p]:
             return
-        job = self.prefill_queues[p].pop(0)
+        chunks, budget = [], self.token_budget
+        for job in self.prefill_queues[p]:
+            if budget <= 0:
+                break
+            if job.to_prefill == max(1, job.prompt_tokens):
+                job.prefill_start = self.now
+            take = min(budget, job.to_prefill)
+            chunks.append((job, take))
+            budget -= take
+        step_ms = self.costs.prefill_ms(self.token_budget - budget) + self.rng.choice(self.costs.prefill_spread or [0.0])
         self.prefill_busy[p] = True
-        job.prefill_start = self.now
-        compute_ms = max(0.0, self.costs.prefill_ms(job.prompt_tokens) + self.rng.choice(self.costs.prefill_spread or [0.0]))
-        self.at(self.now + compute_ms / 1e3, self.prefilled, job)
+        self.at(self.now + max(0.0, step_ms) / 1e3, self.prefill_stepped, p, chunks)
+
+    def prefill_stepped(self, p: int, chunks: list[tuple[Job, int]]) -> None:
+        self.prefill_busy[p] = False
+        for job, take in chunks:
+            job.to_prefill -= take
+            if job.to_prefill == 0:
+                self.prefill_queues[p].remove(job)
+                self.prefilled(job)
+        self.start_prefill(p)
 
     def prefilled(self, job: Job) -> None:
         job.prefill_end = self.now
-        self.prefill_busy[job.prefill] = False
-        self.start_prefill(job.prefill)
         if self.binding == "late":
             self.bind(job, self.pick_decode())
         mib = job.prompt_tokens * self.costs.kv_bytes_per_token / 2**20
