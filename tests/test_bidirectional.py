@@ -249,3 +249,29 @@ def test_expired_and_evicted_history_is_recomputed(colocated, tmp_path):
         assert 'kvhandoff_retention_events_total{event="evictions"} 2.0' in metrics
     finally:
         assert up.stop() == 0, up.text()[-3000:]
+
+
+def test_a_token_exact_client_reuses_the_whole_history(colocated, tmp_path):
+    """An agent that builds each turn's prompt as the previous prompt's ids + the answer's ids (both
+    as `return_token_ids` gave them) + its new ids: no re-tokenizing, so every later turn reuses all
+    of the history the decode worker retained (prompt and answer but the answer's last token, which
+    was never computed), in whole blocks; every answer equals colocated's for the same ids."""
+    up = start_up(tmp_path, "push", *ENGINE, *NO_PREFILL_CACHE, "--bidirectional", "--reuse-policy", "always")
+    block = httpx.get(decode_health(up.url)["url"] + "/health", timeout=10).json()["block_size"]
+    try:
+        ids = [(i * 7 + 3) % 500 + 10 for i in range(150)]
+        for turn in range(4):
+            body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            got = httpx.post(up.url + "/v1/completions", json=body, headers={"X-Session-Id": "agent"}, timeout=120)
+            assert got.status_code == 200, got.text
+            choice, report = got.json()["choices"][0], got.json()["handoff"]
+            expected = httpx.post(colocated.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+            assert choice["token_ids"] == expected["token_ids"] and choice["text"] == expected["text"], turn
+            assert choice["prompt_token_ids"] == ids
+            if turn:
+                assert report["reuse_decision"]["decision"] == "fetched", report["reuse_decision"]
+                assert report["reused_tokens"] == (history - 1) // block * block, (report["reused_tokens"], history)
+            history = len(ids) + len(choice["token_ids"])
+            ids = ids + choice["token_ids"] + [(turn * 13 + i * 5) % 400 + 20 for i in range(40)]
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]

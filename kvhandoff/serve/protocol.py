@@ -66,6 +66,8 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     min_tokens: int | None = Field(0, description="extension: generate at least this many tokens")
     ignore_eos: bool | None = Field(False, description="extension: keep going past end-of-sequence")
+    return_token_ids: bool | None = Field(False, description="vLLM's extension: the prompt's token ids and the "
+                                                             "generated ones in the answer (server.TokenIds)")
     # Present only so a non-default value can be refused with a clear message (check_supported).
     best_of: int | None = None
     frequency_penalty: float | None = None

@@ -231,13 +231,15 @@ class Server:
         for stream in list(self.active.values()):
             stream.close()
 
-    async def collect(self, stream: RequestStream, request: Request) -> tuple[str, RequestOutput] | None:
-        """Run a non-streaming request to the end; None if the client disconnected first (aborted)."""
-        async def drain() -> tuple[str, RequestOutput]:
-            pieces = []
+    async def collect(self, stream: RequestStream, request: Request) -> tuple[str, list[int], RequestOutput] | None:
+        """Run a non-streaming request to the end: its text, its token ids and the final output; None
+        if the client disconnected first (aborted)."""
+        async def drain() -> tuple[str, list[int], RequestOutput]:
+            pieces, ids = [], []
             async for out in stream:
                 pieces.append(out.new_text)
-            return "".join(pieces), out
+                ids += out.new_token_ids
+            return "".join(pieces), ids, out
 
         task = asyncio.ensure_future(drain())
         gone = asyncio.ensure_future(wait_disconnect(request))
@@ -251,19 +253,22 @@ class Server:
         return task.result() if task.done() and not task.cancelled() else None
 
     async def sse(self, stream: RequestStream, first: list[dict], chunk: Callable[[RequestOutput], dict],
-                  usage_chunk: dict | None) -> AsyncIterator[str]:
+                  usage_chunk: dict | None, ids: TokenIds | None = None) -> AsyncIterator[str]:
         """SSE body: `first` chunks, one chunk per engine output with text, the final chunk (with
-        `timings`), then the usage chunk when asked for, then [DONE]. Closing early aborts."""
+        `timings`), then the usage chunk when asked for, then [DONE]. Closing early aborts. `ids`:
+        the client asked for token ids (each chunk carries those generated since the last one)."""
         try:
             for c in first:
-                yield sse_event(c)
+                yield sse_event(ids.first(c) if ids else c)
             async for out in stream:
                 if out.finished and out.finish_reason == "error":
                     yield sse_event(P.error_body(f"generation failed: {out.error}", "server_error"))
                     break
+                if ids:
+                    ids.pending += out.new_token_ids
                 if not out.finished and not out.new_text:
                     continue           # detokenizer held text back (partial UTF-8 or stop-string prefix)
-                c = chunk(out)
+                c = ids.chunk(chunk(out)) if ids else chunk(out)
                 if out.finished:
                     c["timings"] = out.timings
                     if out.handoff is not None:
@@ -294,16 +299,49 @@ class Server:
         if req.stream:
             usage_chunk = ({"id": rid, "object": endpoint.chunk_object, "created": created, "model": model,
                             "choices": []} if req.include_usage else None)
+            ids = TokenIds(prompt_ids, endpoint.path == CHAT) if req.return_token_ids else None
             body = self.sse(stream, endpoint.first_chunks(rid, created, model),
-                            lambda o: endpoint.chunk(rid, created, model, o), usage_chunk)
+                            lambda o: endpoint.chunk(rid, created, model, o), usage_chunk, ids)
             return SSEResponse(body, on_close=lambda: self.release(stream))
         result = await self.collect(stream, request)
         if result is None:
             return Response(status_code=499)   # nobody is listening; nginx's "client closed request"
-        text, final = result
+        text, output_ids, final = result
         usage = P.usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens)
-        return engine_failure(final) or JSONResponse(with_handoff(endpoint.response(
-            rid, created, model, text, final.finish_reason, usage, final.timings), final))
+        body = endpoint.response(rid, created, model, text, final.finish_reason, usage, final.timings)
+        if req.return_token_ids:
+            TokenIds(prompt_ids, endpoint.path == CHAT).answer(body, output_ids)
+        return engine_failure(final) or JSONResponse(with_handoff(body, final))
+
+
+@dataclass
+class TokenIds:
+    """vLLM's `return_token_ids`: a client that resends a conversation as token ids needs exactly the
+    ids it was given (re-tokenizing text can split differently and cut reuse short). Completions put
+    `prompt_token_ids` in the choice, chat at the top of the response (a stream: in its first chunk);
+    every choice or chunk carries `token_ids`, the ids generated (since the previous chunk)."""
+    prompt_ids: list[int]
+    chat: bool
+    pending: list[int] = field(default_factory=list)     # generated, not yet sent (text held back)
+    prompt_sent: bool = False
+
+    def answer(self, body: dict, output_ids: list[int]) -> dict:
+        (body if self.chat else body["choices"][0])["prompt_token_ids"] = list(self.prompt_ids)
+        body["choices"][0]["token_ids"] = list(output_ids)
+        return body
+
+    def first(self, chunk: dict) -> dict:
+        """A chunk sent before any token (chat's role chunk): the prompt's ids go there."""
+        if self.chat and not self.prompt_sent:
+            chunk["prompt_token_ids"], self.prompt_sent = list(self.prompt_ids), True
+        return chunk
+
+    def chunk(self, chunk: dict) -> dict:
+        choice = chunk["choices"][0]
+        if not self.prompt_sent:
+            (chunk if self.chat else choice)["prompt_token_ids"], self.prompt_sent = list(self.prompt_ids), True
+        choice["token_ids"], self.pending = self.pending, []
+        return chunk
 
 
 @dataclass(frozen=True)
