@@ -275,3 +275,88 @@ def test_a_token_exact_client_reuses_the_whole_history(colocated, tmp_path):
             ids = ids + choice["token_ids"] + [(turn * 13 + i * 5) % 400 + 20 for i in range(40)]
     finally:
         assert up.stop() == 0, up.text()[-3000:]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_changed_histories_reuse_exactly_the_longest_common_prefix(colocated, tmp_path):
+    """Clients change what they resend: an earlier turn edited, a reasoning trace stripped from an
+    answer, another system prompt, a conversation replayed from an earlier turn. Each time the next
+    turn reuses the longest common prefix of the retained tokens and its prompt, in whole blocks, no
+    more (and nothing below the 64-token floor); its answer equals colocated's (fp32: recomputing)."""
+    up = start_up(tmp_path, "pull", *ENGINE, *NO_PREFILL_CACHE, "--bidirectional", "--reuse-policy", "always")
+    block = httpx.get(decode_health(up.url)["url"] + "/health", timeout=10).json()["block_size"]
+
+    def chat(messages: list[dict], session: str) -> tuple[dict, dict]:
+        body = {"messages": messages, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        r = httpx.post(up.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=120)
+        assert r.status_code == 200, r.text
+        expected = httpx.post(colocated.url + "/v1/chat/completions", json=body, timeout=120).json()
+        assert r.json()["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+        return r.json(), r.json()["handoff"]
+
+    def retained(answer: dict) -> list[int]:          # what the decode worker kept of that turn
+        return answer["prompt_token_ids"] + answer["choices"][0]["token_ids"][:-1]
+
+    system, user1, user2 = (words(40, 90), words(60, 91), words(30, 92))
+    try:
+        for case in ("edited", "stripped", "system", "replayed", "extended"):
+            s = [{"role": "system", "content": system}, {"role": "user", "content": user1}]
+            first, _ = chat(s, case)
+            a1 = first["choices"][0]["message"]["content"]
+            kept = retained(first)
+            history = s + [{"role": "assistant", "content": a1}]
+            if case == "edited":            # a word in the middle of the first user turn
+                history[1]["content"] = user1.replace(user1.split()[30], "zulu", 1)
+            elif case == "stripped":        # the answer's first half dropped, as reasoning traces are
+                history[2]["content"] = a1[len(a1) // 2:]
+            elif case == "system":
+                history[0]["content"] = "zulu " + system
+            elif case == "replayed":        # a second turn, then back to the first and another branch
+                second, _ = chat(history + [{"role": "user", "content": user2}], case)
+                kept = retained(second)
+            answer, report = chat(history + [{"role": "user", "content": words(30, 93)}], case)
+            lcp = common_prefix(kept, answer["prompt_token_ids"])
+            expected = lcp // block * block
+            if expected >= 64:
+                assert report["reuse_decision"]["decision"] == "fetched", (case, report["reuse_decision"])
+                assert report["reused_tokens"] == expected, (case, report["reused_tokens"], lcp)
+            else:
+                assert report["reuse_decision"]["decision"] != "fetched" and not report.get("reused_tokens"), \
+                    (case, lcp, report["reuse_decision"])
+            # Nothing changed: all of the prompt at least; the answer only as far as its text, re-tokenized
+            # inside the template, gives back the generated ids (return_token_ids avoids that; see above).
+            assert case != "extended" or lcp >= len(first["prompt_token_ids"]), (lcp, len(kept))
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
+
+
+def test_a_prefill_worker_that_caches_part_of_the_history_fetches_only_the_rest(colocated, tmp_path):
+    """Prefill-side prefix caching on (the deployment's real baseline): the next turn's prefill worker
+    still holds the previous prompt's blocks, so it READs only the blocks after them (the previous
+    answer's) from the decode worker, and its cost model weighs exactly those blocks."""
+    up = start_up(tmp_path, "push", *ENGINE, "--bidirectional", "--reuse-policy", "always")
+    health = httpx.get(decode_health(up.url)["url"] + "/health", timeout=10).json()
+    block, block_bytes = health["block_size"], health["block_bytes"]
+    try:
+        ids = [(i * 7 + 3) % 500 + 10 for i in range(200)]
+        for turn in range(3):
+            body = {"prompt": ids, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            got = httpx.post(up.url + "/v1/completions", json=body, headers={"X-Session-Id": "cached"}, timeout=120)
+            choice, report = got.json()["choices"][0], got.json()["handoff"]
+            expected = httpx.post(colocated.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+            assert choice["token_ids"] == expected["token_ids"], turn
+            if turn:
+                decision = report["reuse_decision"]
+                reusable = (history - 1) // block * block
+                local = previous // block * block      # the previous prompt, cached by this prefill worker
+                assert decision["decision"] == "fetched" and decision["reusable_tokens"] == reusable, decision
+                assert decision["local_tokens"] == local and 0 < local < reusable, decision
+                assert report["reused_tokens"] == reusable - local, report
+                assert report["reverse_bytes"] == (reusable - local) // block * block_bytes, report
+            previous, history = len(ids), len(ids) + len(choice["token_ids"])
+            ids = ids + choice["token_ids"] + [(turn * 13 + i * 5) % 400 + 20 for i in range(40)]
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]

@@ -198,6 +198,7 @@ class ReuseDecision:
     decision: str                       # "fetched", "recomputed" or "none"
     reason: str
     reusable_tokens: int = 0
+    local_tokens: int | None = None     # of those, what this worker's prefix cache holds (never fetched)
     est_fetch_ms: float | None = None
     est_recompute_ms: float | None = None
     fetch_ms: float | None = None       # measured, when fetched
@@ -272,10 +273,13 @@ def decide(cfg: ReuseConfig, model: CostModel, prompt_len: int, prompt_hashes: l
     if locally_cached_blocks >= blocks:
         return ReuseDecision("none", f"this worker's prefix cache already holds the {tokens} reusable tokens",
                              tokens), 0
-    fetch_s = model.fetch_s(blocks * block_bytes)
-    recompute_s = model.recompute_s((blocks - locally_cached_blocks) * block_size)
-    decision = ReuseDecision("fetched", f"{tokens} reusable tokens{note}", tokens,
-                             round(fetch_s * 1e3, 3), round(recompute_s * 1e3, 3))
+    # Only what this worker's prefix cache lacks would move, and only that would be computed otherwise.
+    missing = blocks - locally_cached_blocks
+    fetch_s = model.fetch_s(missing * block_bytes)
+    recompute_s = model.recompute_s(missing * block_size)
+    local = f", {locally_cached_blocks * block_size} of them cached here" if locally_cached_blocks else ""
+    decision = ReuseDecision("fetched", f"{tokens} reusable tokens{local}{note}", tokens,
+                             locally_cached_blocks * block_size, round(fetch_s * 1e3, 3), round(recompute_s * 1e3, 3))
     expires_in = candidate.expires_in_s
     if expires_in is not None and expires_in < cfg.expiry_margin_s + fetch_s:
         decision.decision, decision.reason = "recomputed", f"the retained KV expires in {expires_in:.1f} s"
@@ -379,8 +383,8 @@ class ReusePrefill(Side):
         report = {"reused_tokens": 0, "reverse_bytes": 0}
         if fetch is not None and fetch.failure is not None:
             decision.decision, decision.reason = "recomputed", f"fetch failed, recomputed: {fetch.failure}"
-        elif fetch is not None:
-            report.update(reused_tokens=fetch.num_kv_tokens, reverse_bytes=fetch.bytes)
+        elif fetch is not None:     # reused: what came from the decode worker (not what was cached here)
+            report.update(reused_tokens=len(fetch.transferred_blocks) * self.rt.block_size, reverse_bytes=fetch.bytes)
             decision.fetch_ms = round((fetch.ready_at - fetch.extra["started"]) * 1e3, 3) if fetch.ready_at else None
         report["reuse_decision"] = decision.report()
         return report
