@@ -4,6 +4,7 @@ multi-turn greedy outputs must equal a fresh colocated server's for every full p
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -358,5 +359,60 @@ def test_a_prefill_worker_that_caches_part_of_the_history_fetches_only_the_rest(
                 assert report["reverse_bytes"] == (reusable - local) // block * block_bytes, report
             previous, history = len(ids), len(ids) + len(choice["token_ids"])
             ids = ids + choice["token_ids"] + [(turn * 13 + i * 5) % 400 + 20 for i in range(40)]
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
+
+
+def test_the_router_chooses_cache_fetch_or_recompute_per_turn(colocated, tmp_path):
+    """Two prefill workers (cache-aware, 150 ms more a step), prefix caching on: a conversation's next
+    turn goes to the prefill worker that caches its history while that one is idle; while it computes
+    a long prompt, to the other, which fetches the history from the decode worker; a history under
+    the floor is recomputed. Each choice, with every candidate's inputs, is in `route_decision`."""
+    up = start_up(tmp_path, "push", *ENGINE, "--prefill", "2", "--bidirectional", "--prefill-policy", "cache-aware",
+                  "--health-interval", "0.2", "--prefill-args=--inject-faults step_ms=150")
+
+    def turn(ids: list[int], session: str) -> dict:
+        body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        r = httpx.post(up.url + "/v1/completions", json=body, headers={"X-Session-Id": session}, timeout=120)
+        assert r.status_code == 200, r.text
+        expected = httpx.post(colocated.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert r.json()["choices"][0]["token_ids"] == expected["token_ids"]
+        return r.json()
+
+    def in_flight(url: str) -> int:
+        workers = httpx.get(up.url + "/health", timeout=10).json()["workers"]
+        return next(w["in_flight"] for w in workers if w["url"] == url)
+
+    try:
+        a = [(i * 7 + 3) % 500 + 10 for i in range(200)]
+        first = turn(a, "conv")
+        holder = first["handoff"]["prefill_worker"]
+        nxt = a + first["choices"][0]["token_ids"] + [(i * 5) % 400 + 20 for i in range(40)]
+        second = turn(nxt, "conv")
+        idle = second["handoff"]
+        route = idle["route_decision"]
+        assert route["choice"] == "cache" and route["prefill_worker"] == holder == idle["prefill_worker"], route
+        assert len(route["candidates"]) == 2 and all(
+            {"cached_tokens", "fetchable_tokens", "queued_tokens", "est_compute_ms", "est_ms"} <= set(c)
+            for c in route["candidates"]), route
+        # Keep the holder busy with a long prompt that shares its cached prefix, then the next turn.
+        with ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(turn, a + [(i * 3) % 450 + 30 for i in range(2800)], "busy")
+            deadline = time.monotonic() + 30
+            while in_flight(holder) == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert in_flight(holder) > 0, "the long prompt never reached the holder"
+            nxt = nxt + second["choices"][0]["token_ids"] + [(i * 9) % 400 + 20 for i in range(40)]
+            got = turn(nxt, "conv")["handoff"]
+            busy.result()
+        route = got["route_decision"]
+        assert route["choice"] == "fetch" and route["prefill_worker"] != holder, route
+        assert route["measured_ms"] > 0, route
+        assert got["reuse_decision"]["decision"] == "fetched" and got["reused_tokens"] > 0, got["reuse_decision"]
+        # Under the floor: 40 tokens of history and 16 of answer are one block.
+        short = [(i * 11) % 300 + 40 for i in range(40)]
+        answer = turn(short, "short")["choices"][0]["token_ids"]
+        route = turn(short + answer + [50] * 30, "short")["handoff"]["route_decision"]
+        assert route["choice"] == "recompute", route
     finally:
         assert up.stop() == 0, up.text()[-3000:]

@@ -242,6 +242,12 @@ class CostModel:
     def recompute_s(self, tokens: int) -> float:
         return tokens / self.prefill_tps
 
+    def rates(self) -> dict:
+        """What /health reports, for the router to weigh this worker's cache against a fetch."""
+        with self._lock:
+            return {"prefill_tps": round(self.prefill_tps, 1), "reverse_bps": round(self.bandwidth_bps),
+                    "fetch_overhead_ms": round(self.fetch_overhead_s * 1e3, 3), **self.measured}
+
 
 def common_prefix_blocks(prompt_hashes: list[bytes], retained_hashes: list[str]) -> int:
     """How many leading full blocks the new prompt shares with the retained tokens."""

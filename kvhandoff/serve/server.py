@@ -579,7 +579,7 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo, max_in_flight: int | 
     @app.get("/health")
     async def health():
         stats = {"model": engine_info.served_name, "role": srv.handoff.role if srv.handoff else "both",
-                 **engine_info.compute, **loop.stats()}
+                 **engine_info.compute, **loop.stats(), **(srv.handoff.health() if srv.handoff else {})}
         if not loop.is_alive():
             return JSONResponse({"status": "error", "error": loop.fatal_error or "engine loop stopped", **stats},
                                 status_code=503)

@@ -153,6 +153,12 @@ class WorkerHandoff:
                     self.retention_events.labels(key).inc(now - self._seen_retention[key])
                     self._seen_retention[key] = now
 
+    def health(self) -> dict:
+        """What /health adds on this worker: a bidirectional prefill's reuse rates (the router's
+        three-way choice among its cache, a fetch and recomputing reads them)."""
+        reuse = self.connector.reuse
+        return {"reuse_rates": reuse.cost_model.rates()} if self.role == "prefill" and reuse.enabled else {}
+
     def info(self) -> dict:
         rt = self.rt
         return {"worker": rt.worker_name, "role": self.role, "agent_metadata": rt.metadata_b64(),

@@ -27,7 +27,8 @@ import httpx
 from kvhandoff.handoff import messages as M
 from kvhandoff.serve.router.errors import (Relay, WorkerFailure, describe, error_json, failure_message, refused,
                                            status_of, task_outcome, worker_failure)
-from kvhandoff.serve.router.policies import late_binding_target
+from kvhandoff.handoff.config import ReuseConfig
+from kvhandoff.serve.router.policies import PrefillPolicy, late_binding_target, reuse_estimate
 from kvhandoff.serve.router.pool import Worker
 from kvhandoff.serve.router.prefix import PromptFacts
 from kvhandoff.serve.router.sessions import SessionEntry
@@ -36,6 +37,8 @@ log = logging.getLogger("kvhandoff.router")
 
 # Fields of the prefill's handoff object worth showing the client when the decode side lacks them;
 # the rest (token ids, block ids, checksums, agent metadata) is protocol payload, not observability.
+# The prefill workers' floor (--reuse-min-tokens), at its default: the router is not told theirs.
+REUSE_FLOOR_TOKENS = ReuseConfig().min_tokens
 PREFILL_FALLBACK_FIELDS = ("bytes_transferred", "bytes_before_prefill_end", "blocks", "reused_tokens",
                            "reverse_bytes", "reuse_decision")
 # Push: how long the decode side's final answer waits for the prefill's (normally there already: the
@@ -85,6 +88,7 @@ class Attempt:
     merged: dict | None = None                    # the client's handoff object, once merged
     binding: int = 0                              # late binding: how often the decode leg was moved
     rebound_from: str | None = None               # ... and the decode worker it left
+    route_decision: dict | None = None            # bidirectional + cache-aware: cache, fetch or recompute, and why
 
     @property
     def config(self):
@@ -118,14 +122,28 @@ class Attempt:
         self.prefill = self.decode = self.prefill_task = self.remote = self.merged = None
         self.upstream, self.open_legs, self.holding = [], set(), []
         self.retried, self.kv_source = None, "retried_colocated"
-        self.binding, self.rebound_from = 0, None
+        self.binding, self.rebound_from, self.route_decision = 0, None, None
         self.phase = Phase.OPENING
 
     # -- what the protocols' router legs call (handoff/pull.py, push.py) -----------------------------
     def pick(self, role: str, prefer: str | None = None) -> Worker:
-        worker = self.router.pool.pick(role, self.excluded, prefer, self.facts)
+        estimates = self.reuse_estimates() if role == "prefill" else None
+        cost = (lambda w: estimates[w.url]["est_ms"]) if estimates else None
+        worker = self.router.pool.pick(role, self.excluded, prefer, self.facts, cost)
+        if estimates:
+            self.route_decision = {"choice": estimates[worker.url]["option"], "prefill_worker": worker.url,
+                                   "candidates": list(estimates.values())}
         self.holding.append(worker)
         return worker
+
+    def reuse_estimates(self) -> dict[str, dict] | None:
+        """Cache-aware prefill for a turn whose history a decode worker retains: each prefill worker's
+        cheapest way (its cache, a fetch, recomputing) and its estimated ms (policies.reuse_estimate)."""
+        if self.candidate is None or self.facts is None or self.config.prefill_policy is not PrefillPolicy.CACHE:
+            return None
+        pool = self.router.pool
+        return {w.url: reuse_estimate(w, self.facts, pool.prefix, self.candidate.block_hashes, REUSE_FLOOR_TOKENS)
+                for w in pool.serving("prefill")}
 
     @property
     def history_worker(self) -> str | None:
@@ -325,6 +343,10 @@ class Attempt:
             merged["prefill_error"] = prefill_error
         if self.rebound_from:
             merged["rebound_from"] = self.rebound_from
+        if self.route_decision:       # beside its estimate, what the chosen worker took (queue + prompt)
+            spent = [phases.get(p) for p in ("prefill_queue", "prefill_compute")]
+            measured = round(sum(spent), 3) if None not in spent else None
+            merged["route_decision"] = {**self.route_decision, "measured_ms": measured}
         if self.retry_reason:
             merged["retried_elsewhere"] = self.retry_reason
         self.merged = merged

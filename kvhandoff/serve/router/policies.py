@@ -23,6 +23,14 @@ Prefill:
   prompts this router has on it now if more). Costs the request one /kv/prompt round trip to a
   prefill worker (which tokenizes and hashes the prompt; shared with bidirectional reuse's session
   lookup); without an answer it falls back to fewest-in-flight.
+  With `--bidirectional`, for a turn whose history a decode worker retains, the cost is in
+  estimated milliseconds and each prefill worker has two ways (`reuse_estimate`): compute the
+  prompt past what its own cache holds, or fetch the retained blocks it lacks (at least the reuse
+  floor, 64 tokens) and compute the rest; both after its queue, at the rates it reports
+  (`reuse_rates` in /health: its measured prefill tokens/s, reverse-read bandwidth and fetch
+  overhead). The cheapest worker and way win: its cache when that holds the history and it is idle,
+  a fetch elsewhere when it is busy, recomputing when no fetch is worth it (`route_decision` in the
+  handoff object; the prefill worker then decides for itself with exact figures: `reuse_decision`).
 Late binding (`--late-binding`, push modes, any decode policy): the decode worker picked at arrival
 is checked again at every poll while the prompt is still being computed; it has fallen behind when
 the wait expected there (as `load` reckons it, this request among its sequences) is over
@@ -100,6 +108,42 @@ def uncached_tokens(worker: Worker, facts: PromptFacts, index: PrefixIndex) -> i
 def queued_prefill_tokens(worker: Worker) -> int:
     """What it reported at its last poll, or what this router has on it now if that is more (sent since)."""
     return max(int(worker.last_health.get("num_tokens_to_prefill") or 0), worker.tokens_in_flight)
+
+
+# A prefill worker's rates before it has measured any (handoff.reuse.CostModel's defaults).
+DEFAULT_REUSE_RATES = {"prefill_tps": 500.0, "reverse_bps": 2e8, "fetch_overhead_ms": 20.0}
+
+
+def common_blocks(ours: list[str], theirs: list[str]) -> int:
+    n = 0
+    while n < min(len(ours), len(theirs)) and ours[n] == theirs[n]:
+        n += 1
+    return n
+
+
+def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, history: list[str], floor: int) -> dict:
+    """One prefill worker's way to a prompt whose history (`history`, block hashes) a decode worker
+    retains: compute past its own cached prefix, or fetch what it lacks of the history and compute the
+    rest, whichever it should finish first (ms, its queue included). At least one prompt token is
+    always computed (it yields the first output token)."""
+    bs, limit = facts.block_size, (facts.num_tokens - 1) // facts.block_size
+    cached = min(index.cached_blocks(worker.url, facts.block_hashes), limit)
+    fetchable = min(common_blocks(facts.block_hashes, history), limit)
+    rates = {**DEFAULT_REUSE_RATES, **(worker.last_health.get("reuse_rates") or {})}
+    queued, ms_per_token = queued_prefill_tokens(worker), 1e3 / rates["prefill_tps"]
+    compute_ms = (queued + facts.num_tokens - cached * bs) * ms_per_token
+    row = {"url": worker.url, "cached_tokens": cached * bs, "fetchable_tokens": fetchable * bs,
+           "queued_tokens": queued, "est_compute_ms": round(compute_ms, 3),
+           "option": "cache" if cached * bs >= floor else "recompute", "est_ms": compute_ms}
+    if (fetchable - cached) * bs >= floor:
+        fetch_ms = rates["fetch_overhead_ms"] + (fetchable - cached) * int(worker.last_health.get("block_bytes") or 0) \
+            / rates["reverse_bps"] * 1e3
+        with_fetch_ms = (queued + facts.num_tokens - fetchable * bs) * ms_per_token + fetch_ms
+        row["est_fetch_ms"] = round(fetch_ms, 3)
+        if with_fetch_ms < compute_ms:
+            row.update(option="fetch", est_ms=with_fetch_ms)
+    row["est_ms"] = round(row["est_ms"], 3)
+    return row
 
 
 def ranking(policy: DecodePolicy | PrefillPolicy, workers: list[Worker], facts: PromptFacts | None = None,

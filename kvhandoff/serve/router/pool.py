@@ -71,17 +71,18 @@ class WorkerPool:
         return next((w for w in self.workers if w.url == url), None)
 
     def pick(self, role: str, excluded: set[str] = frozenset(), prefer: str | None = None,
-             facts: PromptFacts | None = None) -> Worker:
+             facts: PromptFacts | None = None, cost=None) -> Worker:
         """Not excluded (it failed this request) first, healthy first, a healthy `prefer` (the
         decode worker holding the conversation's history) outright, then the role's policy
         (policies.py); ties go round-robin (the first tied one after the last pick) so equals
         share. Draining workers are never picked. The caller holds the worker (one more in flight)
-        until it calls release(). `facts`: the prompt's, when known (cache-aware prefill)."""
+        until it calls release(). `facts`: the prompt's, when known (cache-aware prefill); `cost`:
+        the caller's ranking instead of the policy's (a conversation's three-way choice)."""
         workers = self.serving(role)
         assert workers, f"no {role} worker left in the pool"      # remove() keeps one of each role
         n, start = len(workers), self.cursor.get(role, 0) % len(workers)
         in_turn = [workers[(start + i) % n] for i in range(n)]
-        cost = ranking(self.policies[role], workers, facts, self.prefix)
+        cost = cost or ranking(self.policies[role], workers, facts, self.prefix)
         worker = min(in_turn, key=lambda w: (w.url in excluded, not w.healthy, w.url != prefer, cost(w)))
         self.cursor[role] = (workers.index(worker) + 1) % n
         self.hold(worker, facts)
@@ -100,6 +101,11 @@ class WorkerPool:
     def release(self, worker: Worker, facts: PromptFacts | None = None) -> None:
         worker.in_flight -= 1
         worker.tokens_in_flight -= facts.num_tokens if facts is not None else 0
+        reported = worker.last_health.get("num_tokens_to_prefill")
+        if facts is not None and isinstance(reported, int) and reported > 0:
+            # A prompt that is done is queued nowhere: a report taken while it was still being computed
+            # would otherwise make an idle worker look busy until the next poll.
+            worker.last_health["num_tokens_to_prefill"] = max(0, reported - facts.num_tokens)
         self.on_change(worker)
         if worker.draining and worker.in_flight == 0:
             self._drop(worker)
