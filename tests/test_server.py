@@ -388,12 +388,6 @@ def test_a_model_that_does_not_exist_is_one_line_not_a_traceback(tmp_path):
     assert r.stderr.startswith("kvhandoff serve: error: model ") and "neither an alias" in r.stderr, r.stderr
 
 
-def sse_chunks(url: str, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", url + path, json=body | {"stream": True}, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        return [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
-
-
 def test_return_token_ids_gives_the_ids_a_client_resends(tiny_server):
     """vLLM's `return_token_ids`: the prompt's ids and the generated ones, streamed and not, on both
     endpoints; resent as a token-id prompt they are exactly the history (greedy continues alike)."""
@@ -402,7 +396,7 @@ def test_return_token_ids_gives_the_ids_a_client_resends(tiny_server):
     full = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
     choice = full["choices"][0]
     assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == full["usage"]["completion_tokens"] == 12
-    chunks = sse_chunks(url, "/v1/completions", body)
+    chunks = stream(tiny_server, "/v1/completions", body)[:-1]
     content = [c for c in chunks if c["choices"]]
     assert content[0]["choices"][0]["prompt_token_ids"] == ids
     assert all("prompt_token_ids" not in c["choices"][0] for c in content[1:])
@@ -419,7 +413,7 @@ def test_return_token_ids_gives_the_ids_a_client_resends(tiny_server):
     chat = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     full = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()
     assert len(full["prompt_token_ids"]) == full["usage"]["prompt_tokens"] and len(full["choices"][0]["token_ids"]) == 8
-    chunks = sse_chunks(url, "/v1/chat/completions", chat)
+    chunks = stream(tiny_server, "/v1/chat/completions", chat)[:-1]
     assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"] and chunks[0]["choices"][0]["delta"]["role"]
     assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == full["choices"][0]["token_ids"]
     assert tiny_server.health()["num_free_blocks"] == tiny_server.baseline["num_free_blocks"]
