@@ -362,6 +362,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for flag in ("--bidirectional", "--retry-colocated"):
             up_flags.add_argument(flag, action="store_true")
         up_flags.add_argument("--link", type=link_rate)
+        up_flags.add_argument("--retention-ttl", type=positive_float)
         try:
             for spec in args.launch:
                 up_flags.parse_args(launch_spec(spec)[1])
@@ -557,7 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"start `kvhandoff up --mode MODE` for each mode in turn ({', '.join(modes.STACK_MODES)}; "
                             "`+bidirectional`, `+retry-colocated` or `+late-binding` adds that flag, "
                             "`+decode-policy=P`, `+prefill-policy=P`, `+disagg-min-tokens=N`, "
-                            "`+health-interval=S` or `+link=RATE` (an emulated link, e.g. 1gbit) that option, e.g. "
+                            "`+health-interval=S`, `+link=RATE` (an emulated link, e.g. 1gbit) or "
+                            "`+retention-ttl=S` (with +bidirectional) that option, e.g. "
                             "push+bidirectional or push+late-binding+decode-policy=load), measure, stop it")
     p.add_argument("--workload", default="grid",
                    help="grid, binding (grid's rates, a long/short prompt mix, heavy-tailed answers, bursts), "
@@ -587,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--new-tokens", type=int, default=300)
     g.add_argument("--answer-tokens", type=int, default=64)
     g.add_argument("--think-s", type=float, default=2.0)
+    g.add_argument("--think-profile", default=None, metavar="NAME|FILE",
+                   help="think times drawn from a profile instead of around --think-s: chat (median 4 s), agent "
+                        "(20 s, tools), review (150 s, a person reading), or a file of seconds, one a line")
     g.add_argument("--resume-after-s", type=float, default=0.0,
                    help="every other conversation's last turn comes back after this long idle (0: never)")
     g = p.add_argument_group("report")

@@ -81,6 +81,8 @@ def test_bench_says_what_is_wrong(tmp_path):
     assert r.returncode != 0 and "invalid choice: 'fastest'" in r.stderr and "Traceback" not in r.stderr
     r = bench("--launch", "push+late-binding=yes", timeout=60)
     assert r.returncode != 0 and "unknown flag 'late-binding=yes'" in r.stderr
+    r = bench("--launch", "push+bidirectional+retention-ttl=-3", timeout=60)
+    assert r.returncode != 0 and "must be above 0" in r.stderr and "Traceback" not in r.stderr
     r = bench("--launch", "push+link=fast", timeout=60)
     assert r.returncode != 0 and "'fast' is not a rate" in r.stderr and "Traceback" not in r.stderr
 
@@ -138,8 +140,16 @@ def test_bench_launches_stacks_and_reports_phases(tmp_path):
     assert all(row["prompt_tokens"] > 60 for row in later)
     assert any(row["handoff"]["reuse_decision"]["decision"] != "none" or row["handoff"].get("decode_cached_tokens")
                for row in later)
+    # What retention held and what it saved: sampled from the router while the point ran.
+    kept = summary["points"][1]["retention"]
+    assert kept["peak_mib"] > 0 and kept["gib_s"] > 0 and kept["turns_with_history"] == len(later), kept
+    fetched = sum(row["handoff"]["reuse_decision"]["decision"] == "fetched" for row in later)
+    assert kept["hit_rate"] == fetched / len(later) and kept["reused_tokens"] == sum(
+        row["handoff"].get("reused_tokens") or 0 for row in push), kept
+    assert summary["points"][0]["retention"] is None          # colocated: nothing retained
+    assert "Bidirectional reuse" in (out / "summary.md").read_text()
     assert (out / "logs" / "push.log").exists()
-    assert summary["meta"]["plots"] == ["phases.png", "ttft_per_turn.png"]
+    assert summary["meta"]["plots"] == ["phases.png", "ttft_per_turn.png", "retention.png"]
     assert all((out / name).stat().st_size > 1000 for name in summary["meta"]["plots"])
 
 
@@ -177,4 +187,29 @@ def test_demo_runs_every_mode(tmp_path):
     assert [p["label"] for p in multi["points"]] == ["push", "push+bidirectional"]
     assert all(p["failed"] == 0 for p in multi["points"])
     assert "kvhandoff demo: done" in r.stdout and "ttft_per_turn.png" in r.stdout
-    assert sorted(p.name for p in out.glob("*/*.png")) == ["isolated_phases.png", "phases.png", "ttft_per_turn.png"]
+    assert sorted(p.name for p in out.glob("*/*.png")) == ["isolated_phases.png", "phases.png", "retention.png",
+                                                           "ttft_per_turn.png"]
+
+
+def test_a_ttl_sweep_shows_what_retention_costs_and_buys(tmp_path):
+    """Think times from a file (1.5 s between turns): retained for 1 s the history is gone when the
+    next turn comes (no hits, little memory held); for 60 s every later turn fetches it, at the cost
+    of more GiB-seconds (`--reuse-policy always`: the tiny model recomputes faster than it fetches,
+    so the cost model would rightly fetch nothing). The trade-off plot is drawn against the same mode
+    without reuse."""
+    thinks = tmp_path / "think.txt"
+    thinks.write_text("# seconds\n1.5\n")
+    out = tmp_path / "ttl"
+    r = bench("--launch", "push,push+bidirectional+retention-ttl=1,push+bidirectional+retention-ttl=60",
+              "--model", "tiny", "--workload", "multiturn", "--conversations", "2", "--turns", "3",
+              "--new-tokens", "80", "--answer-tokens", "8", "--think-profile", str(thinks),
+              "--launch-args", "--num-blocks 256 --reuse-policy always --prefill-args=--no-prefix-caching",
+              "--out", str(out), timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows, summary = outputs(out)
+    assert all(row["ok"] for row in rows)
+    assert all(row["think_s"] == 1.5 for row in rows if row["turn"] > 1), [row.get("think_s") for row in rows]
+    plain, short, long = (p["retention"] for p in summary["points"])
+    assert plain is None and short["hit_rate"] == 0.0 and long["hit_rate"] == 1.0, (short, long)
+    assert short["reused_tokens"] == 0 < long["reused_tokens"] and short["gib_s"] < long["gib_s"], (short, long)
+    assert "retention.png" in summary["meta"]["plots"]

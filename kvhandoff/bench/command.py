@@ -21,7 +21,8 @@ TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
 WORKLOADS = ("grid", "binding", "multiturn")          # generated; anything else is a file to replay
 LAUNCH_FLAGS = ("bidirectional", "retry-colocated", "late-binding")
 # NAME=VALUE; link: a rate only (its delay would need a comma, which separates the specs)
-LAUNCH_OPTIONS = ("decode-policy", "prefill-policy", "disagg-min-tokens", "health-interval", "link")
+LAUNCH_OPTIONS = ("decode-policy", "prefill-policy", "disagg-min-tokens", "health-interval", "link",
+                  "retention-ttl")
 
 
 def launch_spec(spec: str) -> tuple[str, list[str]]:
@@ -95,7 +96,8 @@ def build_workload(args, words_per_token: float, rate: float | None) -> list[W.W
                          args.output_tokens)
     if args.workload == "multiturn":
         return W.multiturn(args.seed, args.conversations, args.turns, args.new_tokens, args.answer_tokens,
-                           args.think_s, words_per_token, resumed_after_s=args.resume_after_s)
+                           args.think_s, words_per_token, resumed_after_s=args.resume_after_s,
+                           think=W.think_times(args.think_profile) if args.think_profile else None)
     return W.load(Path(args.workload))
 
 
@@ -133,7 +135,8 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
 
 async def sample_decode_load(client: httpx.AsyncClient, url: str, point: Point, every_s: float = 0.5) -> None:
     """While the point runs: the sequences each decode worker holds (running, waiting, waiting for
-    KV), from a router's /health every `every_s` (a target that is not our router: nothing)."""
+    KV) and the bytes of KV it retains for later turns, from a router's /health every `every_s` (a
+    target that is not our router: nothing)."""
     while True:
         try:
             health = (await client.get(url + "/health", timeout=5.0)).json()
@@ -142,9 +145,11 @@ async def sample_decode_load(client: httpx.AsyncClient, url: str, point: Point, 
         workers = [w for w in health.get("workers") or [] if w.get("role") == "decode"] if isinstance(health, dict) else []
         if not workers:
             return
-        point.timeline.append((round(time.perf_counter() - point.started_at, 3),
-                               {w["url"]: sum(int(w.get(k) or 0) for k in ("num_running", "num_waiting",
-                                                                            "num_waiting_for_kv")) for w in workers}))
+        at = round(time.perf_counter() - point.started_at, 3)
+        point.timeline.append((at, {w["url"]: sum(int(w.get(k) or 0) for k in ("num_running", "num_waiting",
+                                                                                 "num_waiting_for_kv")) for w in workers}))
+        point.retained.append((at, {w["url"]: int(w.get("num_retained_blocks") or 0) * int(w.get("block_bytes") or 0)
+                                    for w in workers}))
         await asyncio.sleep(every_s)
 
 
@@ -210,6 +215,11 @@ def main(args: argparse.Namespace) -> int:
     if args.workload not in WORKLOADS:
         try:
             W.load(Path(args.workload))
+        except ValueError as exc:
+            raise SystemExit(f"kvhandoff bench: {exc}") from None
+    if getattr(args, "think_profile", None):
+        try:
+            W.think_times(args.think_profile)
         except ValueError as exc:
             raise SystemExit(f"kvhandoff bench: {exc}") from None
     stacks: list[Stack] = []

@@ -50,6 +50,7 @@ class Point:
     server: dict | None = None      # the target's /health when the point started (what it was running)
     cpu_s: dict[str, float] | None = None   # a launched stack's CPU seconds per role over the point
     timeline: list = field(default_factory=list)    # (s, {decode worker: sequences}) sampled from the router
+    retained: list = field(default_factory=list)    # (s, {decode worker: bytes of retained KV}), likewise
 
 
 async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None:
@@ -100,7 +101,7 @@ async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None
 def result_row(point: Point, index: int, item: WorkItem, r: RequestResult) -> dict:
     itl = [b - a for a, b in zip(r.token_times_ms, r.token_times_ms[1:])]
     return {"point": point.label, "mode": point.mode, "rate": point.rate, "index": index,
-            "target_tokens": item.target_tokens, "session_id": item.session_id, **item.tags,
+            "target_tokens": item.target_tokens, "session_id": item.session_id, "think_s": item.think_s, **item.tags,
             "ok": r.ok, "error": r.error, "sent_s": round(r.sent_at - point.started_at, 6) if r.sent_at else None,
             "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
             "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms, "e2e_ms": r.e2e_ms,
@@ -138,8 +139,29 @@ def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpo
                                       if point.cpu_s and "router" in point.cpu_s and rows else None),
         "moved_late": sum(1 for r in ok if (r["handoff"] or {}).get("rebound_from")),
         "decode_imbalance": imbalance(point.timeline), "timeline": point.timeline,
-        "server": point.server,
+        "retention": retention(point.retained, ok), "server": point.server,
     }
+
+
+def retention(samples: list, rows: list[dict]) -> dict | None:
+    """Bidirectional reuse's economics over a point: the decode workers' retained KV over time (sampled
+    from the router's /health) as GiB-seconds, its peak and mean; of the turns that named a retained
+    history, the share that fetched it (hit rate); tokens and bytes read back."""
+    decision = lambda r: (r["handoff"] or {}).get("reuse_decision") or {}
+    named = [r for r in rows if decision(r) and decision(r).get("reason") != "no retained history named"]
+    totals = [(t, sum(by_worker.values())) for t, by_worker in samples]
+    if not named and not any(b for _, b in totals):
+        return None
+    # Of the turns that could have reused a history (a conversation's later turns; else those that
+    # named one), how many fetched it: an expired or evicted history is a miss too.
+    later = [r for r in rows if (r.get("turn") or 0) > 1] or named
+    held = sum((t2 - t1) * b1 for (t1, b1), (t2, _) in zip(totals, totals[1:]))
+    return {"gib_s": held / 2**30, "peak_mib": max((b for _, b in totals), default=0) / 2**20,
+            "mean_mib": statistics.fmean(b for _, b in totals) / 2**20 if totals else 0.0,
+            "turns_with_history": len(named), "later_turns": len(later),
+            "hit_rate": sum(decision(r).get("decision") == "fetched" for r in later) / len(later) if later else None,
+            "reused_tokens": sum((r["handoff"] or {}).get("reused_tokens") or 0 for r in rows),
+            "reverse_mib": sum((r["handoff"] or {}).get("reverse_bytes") or 0 for r in rows) / 2**20}
 
 
 def imbalance(timeline: list) -> dict | None:
@@ -183,6 +205,17 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
             spread = s.get("decode_imbalance") or {}
             lines.append(f"| {s['label']} | {fmt(s['router_cpu_ms_per_request'], '.2f')} | {s['moved_late']} | "
                          f"{fmt(spread.get('mean'), '.1f')} / {fmt(spread.get('p90'), '.1f')} | {by_role} |")
+    kept = [s for s in summaries if s.get("retention")]
+    if kept:
+        lines += ["", "Bidirectional reuse: decode workers' retained KV (sampled from the router every 0.5 s) "
+                  "against what it saved:", "",
+                  "| point | GiB-s held | peak MiB | mean MiB | turns with history | hit rate | reused tokens "
+                  "| MiB read back |", "|---|---|---|---|---|---|---|---|"]
+        for s in kept:
+            k = s["retention"]
+            lines.append(f"| {s['label']} | {k['gib_s']:.4f} | {k['peak_mib']:.1f} | {k['mean_mib']:.1f} | "
+                         f"{k['turns_with_history']} | {fmt(k['hit_rate'], '.0%')} | {k['reused_tokens']} | "
+                         f"{k['reverse_mib']:.1f} |")
     if meta.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"[{name}]({name})" for name in meta["plots"])]
     slo = summaries[0]["goodput"] if summaries else {}

@@ -5,6 +5,8 @@
 - phases.png: the handoff phases' p50 per point, stacked (what a request's time went to); the demo's
   isolated_phases.png the same for isolated requests per stack, with the client's TTFT marked.
 - ttft_per_turn.png: median TTFT per turn index, one line per mode (multi-turn workloads).
+- retention.png: multi-turn with bidirectional reuse beside a point without it: each point's median
+  later-turn TTFT saved over the GiB-seconds of KV its decode workers held (a TTL sweep's trade-off).
 - imbalance.png: over each point's time, the most sequences on one decode worker less the fewest
   on another (sampled from the router's /health), one line per point (fleets of 2+ decode workers).
 """
@@ -112,6 +114,37 @@ def turn_plot(rows: list[dict], path: Path) -> bool:
     return save_lines(fig, ax, path, "turn", "median TTFT (ms)", "time to first token per turn")
 
 
+def retention_plot(summaries: list[dict], rows: list[dict], path: Path) -> bool:
+    """Multi-turn with bidirectional reuse: per point, the median TTFT of later turns (turn > 1) saved
+    against the point with the most later-turn TTFT and nothing retained (the baseline, e.g. the same
+    mode without --bidirectional), over the GiB-seconds of KV its decode workers held: what each
+    retention setting (a TTL sweep: push+bidirectional+retention-ttl=...) buys for its memory."""
+    later: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        if row.get("turn") and row["turn"] > 1 and row["ok"]:
+            later[row["point"]].append(row["ttft_ms"])
+    kept = [s for s in summaries if (s.get("retention") or {}).get("gib_s") and later.get(s["label"])]
+    plain = [statistics.median(later[s["label"]]) for s in summaries
+             if not (s.get("retention") or {}).get("gib_s") and later.get(s["label"])]
+    if not kept or not plain:
+        return False
+    baseline = max(plain)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for s in kept:
+        x, y = s["retention"]["gib_s"], baseline - statistics.median(later[s["label"]])
+        ax.scatter([x], [y])
+        ax.annotate(s["label"], (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.axhline(0, color="0.6", linewidth=0.8)
+    ax.set_xlabel("KV retained on decode workers (GiB-seconds)")
+    ax.set_ylabel("median TTFT saved on later turns (ms)")
+    ax.set_title(f"what retention buys (baseline: later turns without it, {baseline:.0f} ms)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def imbalance_plot(summaries: list[dict], path: Path) -> bool:
     """One panel per stack (mode), a line per rate: the most sequences on one decode worker less the
     fewest on another, over the point's time."""
@@ -160,7 +193,8 @@ def draw(out: Path, summaries: list[dict], rows: list[dict]) -> list[str]:
     for name, ok in (("ttft_tpot_vs_rate.png", lambda p: rate_plot(summaries, p)),
                      ("phases.png", lambda p: phase_plot(summaries, p)),
                      ("ttft_per_turn.png", lambda p: turn_plot(rows, p)),
-                     ("imbalance.png", lambda p: imbalance_plot(summaries, p))):
+                     ("imbalance.png", lambda p: imbalance_plot(summaries, p)),
+                     ("retention.png", lambda p: retention_plot(summaries, rows, p))):
         if ok(out / name):
             made.append(name)
     return made

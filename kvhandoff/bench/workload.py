@@ -18,6 +18,7 @@ import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from kvhandoff.bench.client import random_text
 
@@ -127,18 +128,50 @@ def binding(seed: int, count: int, rate: float, shortest: int, longest: int, wor
     return items
 
 
+# Named think-time profiles (seconds from an answer to the next turn), lognormal (median, sigma):
+# a person chatting, an agent waiting on its tools, a human reviewing the answer.
+THINK_PROFILES = {"chat": (4.0, 0.6), "agent": (20.0, 0.8), "review": (150.0, 0.7)}
+
+
+def think_times(profile: str) -> Callable[[random.Random], float]:
+    """A named profile (THINK_PROFILES) or a file of think times in seconds (one a line, `#` comments),
+    drawn uniformly: a sampler; ValueError saying what is wrong."""
+    if profile in THINK_PROFILES:
+        median, sigma = THINK_PROFILES[profile]
+        return lambda rng: rng.lognormvariate(math.log(median), sigma)
+    path = Path(profile)
+    if not path.is_file():
+        raise ValueError(f"think profile {profile!r} is neither {', '.join(THINK_PROFILES)} nor a file")
+    values = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            values.append(float(line))
+        except ValueError:
+            raise ValueError(f"{path}:{n}: {line!r} is not a number of seconds") from None
+        if values[-1] < 0:
+            raise ValueError(f"{path}:{n}: a think time cannot be negative")
+    if not values:
+        raise ValueError(f"{path}: no think times in it")
+    return lambda rng: rng.choice(values)
+
+
 def multiturn(seed: int, conversations: int, turns: int, new_tokens: int, answer_tokens: int, think_s: float,
-              words_per_token: float, stagger_s: float = 2.0, resumed_after_s: float = 0.0) -> list[WorkItem]:
+              words_per_token: float, stagger_s: float = 2.0, resumed_after_s: float = 0.0,
+              think: Callable[[random.Random], float] | None = None) -> list[WorkItem]:
     """Conversations as chat messages: each turn adds ~new_tokens of user text to the history and
-    waits think_s (jittered, sometimes longer: a tool-like pause) after the previous answer. With
-    resumed_after_s, the last turn of every other conversation comes back after that long idle."""
+    waits think_s (jittered, sometimes longer: a tool-like pause) after the previous answer, or what
+    `think` draws (a profile: think_times). With resumed_after_s, the last turn of every other
+    conversation comes back after that long idle."""
     rng = random.Random(f"multiturn-{seed}")
     items: list[WorkItem] = []
     for conv in range(conversations):
         previous = None
         for turn in range(1, turns + 1):
             text = random_text(rng, max(1, round(new_tokens * words_per_token)))
-            pause = think_s * rng.uniform(0.5, 1.5) * (4 if rng.random() < 0.15 else 1)
+            pause = think(rng) if think else think_s * rng.uniform(0.5, 1.5) * (4 if rng.random() < 0.15 else 1)
             if resumed_after_s and turn == turns and conv % 2 == 1:
                 pause = resumed_after_s
             item = WorkItem(conv * stagger_s, messages=[{"role": "user", "content": text}],
