@@ -248,6 +248,7 @@ def test_expired_and_evicted_history_is_recomputed(colocated, tmp_path):
         assert decision["decision"] == "recomputed" and "no such retained KV" in decision["reason"], decision
         metrics = httpx.get(h["url"] + "/metrics", timeout=10).text
         assert 'kvhandoff_retention_events_total{event="evictions"} 2.0' in metrics
+        assert 'kvhandoff_retention_events_total{event="lease_misses"} 1.0' in metrics     # the fetch found it gone
     finally:
         assert up.stop() == 0, up.text()[-3000:]
 
@@ -414,5 +415,47 @@ def test_the_router_chooses_cache_fetch_or_recompute_per_turn(colocated, tmp_pat
         answer = turn(short, "short")["choices"][0]["token_ids"]
         route = turn(short + answer + [50] * 30, "short")["handoff"]["route_decision"]
         assert route["choice"] == "recompute", route
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
+
+
+
+def metric(text: str, name: str) -> float:
+    """A sample's value in Prometheus' text format (0 when it has none yet)."""
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
+def test_retention_metrics_are_what_the_decode_worker_holds(colocated, tmp_path):
+    """Sampled between the turns of three conversations and after their TTL: the Prometheus series
+    equal the blocks the decode worker holds, a read back counts as a hit with its bytes, a
+    superseded turn and the expiries are counted by cause."""
+    up = start_up(tmp_path, "pull", *ENGINE, *NO_PREFILL_CACHE, "--bidirectional", "--reuse-policy", "always",
+                  "--retention-ttl", "10")
+    decode = decode_health(up.url)["url"]
+
+    def sample(sessions: int) -> tuple[dict, str]:
+        health, text = httpx.get(decode + "/health", timeout=10).json(), httpx.get(decode + "/metrics", timeout=10).text
+        assert health["num_retained"] == sessions and metric(text, "kvhandoff_retained_sessions") == sessions, health
+        assert metric(text, "kvhandoff_retained_bytes") == health["num_retained_blocks"] * health["block_bytes"]
+        return health, text
+
+    try:
+        prompt = words(120, 80)
+        prompt += complete(up.url, prompt, "m0")["choices"][0]["text"] + " " + words(30, 90)
+        sample(1)
+        report = complete(up.url, prompt, "m0")["handoff"]         # read back; this turn replaces the first
+        assert report["reuse_decision"]["decision"] == "fetched", report["reuse_decision"]
+        health, text = sample(1)
+        assert metric(text, 'kvhandoff_retention_events_total{event="reuse_hits"}') == 1
+        assert metric(text, 'kvhandoff_retention_events_total{event="superseded"}') == 1
+        assert metric(text, "kvhandoff_retention_leased_bytes_total") == \
+            report["reused_tokens"] // health["block_size"] * health["block_bytes"]
+        for conv in (1, 2):
+            complete(up.url, words(120, 80 + conv), f"m{conv}")
+            sample(conv + 1)
+        time.sleep(11)
+        health, text = sample(0)
+        assert health["num_free_blocks"] == health["num_blocks"], health
+        assert metric(text, 'kvhandoff_retention_events_total{event="expiries"}') == 3
     finally:
         assert up.stop() == 0, up.text()[-3000:]

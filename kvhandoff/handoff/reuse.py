@@ -61,7 +61,10 @@ class Retention:
         self.loop, self.engine, self.cfg, self.block_bytes = loop, loop.engine, cfg, block_bytes
         self.sessions: OrderedDict[str, Session] = OrderedDict()      # least recently used first
         self.read_leases: dict[str, tuple[str, float]] = {}           # lease id -> (retention id, expiry)
-        self.counters = {"retained": 0, "expiries": 0, "evictions": 0, "superseded": 0, "reuse_hits": 0}
+        # reuse_hits / lease_misses: reverse reads granted / asked for KV no longer held (the hit rate a
+        # decode worker can see); leased_bytes: what those reads were granted.
+        self.counters = {"retained": 0, "expiries": 0, "evictions": 0, "superseded": 0, "reuse_hits": 0,
+                         "lease_misses": 0, "leased_bytes": 0}
         self._lock = threading.Lock()
         self._lease_ids = itertools.count()
         self.engine.on_evict = self._evicted
@@ -118,6 +121,8 @@ class Retention:
         gone (expired, evicted, superseded) or shorter than that."""
         entry = self.engine.retained(retention_id)
         if entry is None or not 0 < num_blocks <= len(entry.block_ids):
+            with self._lock:
+                self.counters["lease_misses"] += 1
             return None
         entry.readers += 1
         self.engine.holds.touch(retention_id)              # used: evict it last
@@ -126,6 +131,7 @@ class Retention:
             self.sessions.move_to_end(retention_id)
             self.read_leases[lease_id] = (retention_id, time.monotonic() + self.cfg.read_lease_s)
             self.counters["reuse_hits"] += 1
+            self.counters["leased_bytes"] += num_blocks * self.block_bytes
         return {"lease_id": lease_id, "block_ids": entry.block_ids[:num_blocks], "num_tokens": entry.num_tokens,
                 "lease_s": self.cfg.read_lease_s}
 

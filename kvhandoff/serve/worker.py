@@ -76,7 +76,10 @@ class WorkerHandoff:
                                            registry=r)
             self.retained_bytes = Gauge("kvhandoff_retained_bytes", "Bytes of KV kept for later turns", registry=r)
             self.retention_events = Counter("kvhandoff_retention_events", "Retained KV: expiries, evictions, "
-                                            "superseded turns, reuse hits (reverse reads)", ["event"], registry=r)
+                                            "superseded turns, reuse hits (reverse reads granted), lease misses "
+                                            "(asked for KV no longer held)", ["event"], registry=r)
+            self.leased_bytes = Counter("kvhandoff_retention_leased_bytes", "Bytes of retained KV granted to "
+                                        "reverse reads", registry=r)
             self._seen_retention = dict(connector.retention.counters)
 
     # ---- request parsing ------------------------------------------------------------------------
@@ -147,11 +150,15 @@ class WorkerHandoff:
             stats = retention.stats()
             self.retained_sessions.set(stats["num_retained_sessions"])
             self.retained_bytes.set(stats["retained_bytes"])
-            for key in ("expiries", "evictions", "superseded", "reuse_hits"):
+            for key in ("expiries", "evictions", "superseded", "reuse_hits", "lease_misses"):
                 now = retention.counters[key]
                 if now > self._seen_retention[key]:
                     self.retention_events.labels(key).inc(now - self._seen_retention[key])
                     self._seen_retention[key] = now
+            now = retention.counters["leased_bytes"]
+            if now > self._seen_retention["leased_bytes"]:
+                self.leased_bytes.inc(now - self._seen_retention["leased_bytes"])
+                self._seen_retention["leased_bytes"] = now
 
     def health(self) -> dict:
         """What /health adds on this worker: a bidirectional prefill's reuse rates (the router's
