@@ -25,9 +25,9 @@ from enum import Enum
 import httpx
 
 from kvhandoff.handoff import messages as M
+from kvhandoff.handoff.config import ReuseConfig
 from kvhandoff.serve.router.errors import (Relay, WorkerFailure, describe, error_json, failure_message, refused,
                                            status_of, task_outcome, worker_failure)
-from kvhandoff.handoff.config import ReuseConfig
 from kvhandoff.serve.router.policies import PrefillPolicy, late_binding_target, reuse_estimate
 from kvhandoff.serve.router.pool import Worker
 from kvhandoff.serve.router.prefix import PromptFacts
@@ -35,10 +35,10 @@ from kvhandoff.serve.router.sessions import SessionEntry
 
 log = logging.getLogger("kvhandoff.router")
 
-# Fields of the prefill's handoff object worth showing the client when the decode side lacks them;
-# the rest (token ids, block ids, checksums, agent metadata) is protocol payload, not observability.
 # The prefill workers' floor (--reuse-min-tokens), at its default: the router is not told theirs.
 REUSE_FLOOR_TOKENS = ReuseConfig().min_tokens
+# Fields of the prefill's handoff object worth showing the client when the decode side lacks them;
+# the rest (token ids, block ids, checksums, agent metadata) is protocol payload, not observability.
 PREFILL_FALLBACK_FIELDS = ("bytes_transferred", "bytes_before_prefill_end", "blocks", "reused_tokens",
                            "reverse_bytes", "reuse_decision")
 # Push: how long the decode side's final answer waits for the prefill's (normally there already: the
