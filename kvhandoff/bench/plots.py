@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import statistics
 from collections import defaultdict
@@ -129,15 +130,21 @@ def retention_plot(summaries: list[dict], rows: list[dict], path: Path) -> bool:
     if not kept or not plain:
         return False
     baseline = max(plain)
+    # What the points share up to a '+' (push+bidirectional+) goes once into the title, not on every label.
+    labels = [s["label"] for s in kept]
+    shared = os.path.commonprefix(labels) if len(labels) > 1 else ""
+    shared = shared[:shared.rfind("+") + 1]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for s in kept:
         x, y = s["retention"]["gib_s"], baseline - statistics.median(later[s["label"]])
         ax.scatter([x], [y])
-        ax.annotate(s["label"], (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+        ax.annotate(s["label"][len(shared):], (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
     ax.axhline(0, color="0.6", linewidth=0.8)
+    ax.margins(x=0.35)                  # room for the labels right of the last point
     ax.set_xlabel("KV retained on decode workers (GiB-seconds)")
     ax.set_ylabel("median TTFT saved on later turns (ms)")
-    ax.set_title(f"what retention buys (baseline: later turns without it, {baseline:.0f} ms)")
+    ax.set_title(f"what retention buys{f' ({shared.rstrip(chr(43))})' if shared else ''}: "
+                 f"against later turns without it ({baseline:.0f} ms)", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
