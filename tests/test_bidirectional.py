@@ -380,9 +380,12 @@ def test_the_router_chooses_cache_fetch_or_recompute_per_turn(colocated, tmp_pat
         assert r.json()["choices"][0]["token_ids"] == expected["token_ids"]
         return r.json()
 
-    def in_flight(url: str) -> int:
+    def busy_at(url: str) -> bool:
+        """The router has the long prompt on `url`, and its last poll of `url` reported it queued (so
+        the choice does not hang on this router's own count alone)."""
         workers = httpx.get(up.url + "/health", timeout=10).json()["workers"]
-        return next(w["in_flight"] for w in workers if w["url"] == url)
+        w = next(w for w in workers if w["url"] == url)
+        return w["in_flight"] > 0 and (w.get("num_tokens_to_prefill") or 0) > 0
 
     try:
         a = [(i * 7 + 3) % 500 + 10 for i in range(200)]
@@ -400,14 +403,16 @@ def test_the_router_chooses_cache_fetch_or_recompute_per_turn(colocated, tmp_pat
         with ThreadPoolExecutor(1) as pool:
             busy = pool.submit(turn, a + [(i * 3) % 450 + 30 for i in range(2800)], "busy")
             deadline = time.monotonic() + 30
-            while in_flight(holder) == 0 and time.monotonic() < deadline:
+            while not busy_at(holder) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert in_flight(holder) > 0, "the long prompt never reached the holder"
+            assert busy_at(holder), "the long prompt never reached the holder"
             nxt = nxt + second["choices"][0]["token_ids"] + [(i * 9) % 400 + 20 for i in range(40)]
+            seen = [{k: w.get(k) for k in ("url", "in_flight", "num_tokens_to_prefill", "reuse_rates")}
+                    for w in httpx.get(up.url + "/health", timeout=10).json()["workers"] if w["role"] == "prefill"]
             got = turn(nxt, "conv")["handoff"]
             busy.result()
         route = got["route_decision"]
-        assert route["choice"] == "fetch" and route["prefill_worker"] != holder, route
+        assert route["choice"] == "fetch" and route["prefill_worker"] != holder, (route, seen)
         assert route["measured_ms"] > 0, route
         assert got["reuse_decision"]["decision"] == "fetched" and got["reused_tokens"] > 0, got["reuse_decision"]
         # Under the floor: 40 tokens of history and 16 of answer are one block.

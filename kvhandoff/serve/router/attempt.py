@@ -384,6 +384,12 @@ class Attempt:
             queue = sent + (t.get("queue_ms") or 0.0)
         else:
             queue = (self.router_ms or 0.0) + phases["prefill_queue"]
+            if ttft is not None and phases.get("prefill_compute") is not None:
+                # The first token exists once the prefill worker has computed it. A non-streamed answer's
+                # TTFT comes from the decode worker's clock, which starts a hop after we sent it (push
+                # sends both legs at once): under load that hop is milliseconds, and unbounded the
+                # estimate fell short of the prefill itself.
+                ttft = max(ttft, queue + phases["prefill_compute"])
         if ttft is not None:
             ttft = min(max(ttft, 0.0), total)
             queue = min(max(queue, 0.0), ttft)
