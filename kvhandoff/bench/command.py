@@ -217,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
             W.load(Path(args.workload))
         except ValueError as exc:
             raise SystemExit(f"kvhandoff bench: {exc}") from None
-    if getattr(args, "think_profile", None):
+    if args.think_profile:
         try:
             W.think_times(args.think_profile)
         except ValueError as exc:

@@ -38,7 +38,7 @@ from kvhandoff.bench.meta import cpu_model, git_commit, log
 from kvhandoff.bench.plots import stacked_phases
 from kvhandoff.bench.stack import Stack, stop_on_signal
 from kvhandoff.handoff.modes import COLOCATED, Mode
-from kvhandoff.serve.netlink import LinkError, LinkSpec, check_available
+from kvhandoff.serve.netlink import LinkError, check_available
 
 MODES = [Mode.PULL, Mode.PUSH, Mode.PUSH_LAYERWISE]
 PROBE_TOKENS = 256
@@ -226,13 +226,3 @@ def isolated_part(model: str, out: Path, budget_s: float, started: float, link: 
     stop_on_signal(lambda: list(bench.stacks.values()))
     report = asyncio.run(run(bench, budget_s, started, link))
     return Calibration(**report["calibration"])
-
-
-def check_link(value: str) -> str:
-    """argparse type of --link: auto, none or a rate tc takes."""
-    if value in ("auto", "none"):
-        return value
-    LinkSpec.parse(value)
-    if "," in value:
-        raise ValueError("the demo's --link takes a rate only, e.g. 200mbit")
-    return value
