@@ -302,7 +302,7 @@ def test_push_prompt_that_outlives_the_kv_timeout(tmp_path, reference, mode):
     the prefill computes, it keeps the registration alive (`progress`, answered by `renew`), so decode
     neither gives up nor recomputes. Before the keep-alive every such push handoff was recomputed."""
     timeout = ["--kv-timeout-s", "1"]
-    slow = ["--inject-faults", "step_ms=250", "--max-num-batched-tokens", "64"]      # >= 3 s of prefill
+    slow = ["--inject-faults", "step_ms=250", "--max-num-batched-tokens", "256"]     # 2,800 tokens: >= 2.75 s
     prefill = ServerProcess([*COMMON, "--role", "prefill", *timeout, *slow], tmp_path / "prefill.log")
     decode = ServerProcess([*COMMON, "--role", "decode", *timeout], tmp_path / "decode.log")
     try:
