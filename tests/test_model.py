@@ -14,8 +14,9 @@ import jinja2
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kvhandoff.model import loader
+from kvhandoff.model import llama, loader
 from kvhandoff.model.gguf_convert import permute_qk, unpermute_qk
 from kvhandoff.model.llama import prompt_logits
 from kvhandoff.model.loader import load_model, resolve_model
@@ -261,3 +262,28 @@ def test_cache_is_built_once_under_concurrency(tmp_path, monkeypatch):
         t.join()
     assert len(paths) == 4 and len(set(paths)) == 1 and len(calls) == 1
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [paths[0].name]
+
+
+@pytest.mark.parametrize("cached, new", [(0, 200), (96, 150), (64, 1), (0, 64)])
+def test_bf16_prefill_attention_in_query_blocks_equals_fp32(tiny, cached, new):
+    """bf16 prefill attends block by block of queries (llama.Attention._prefill_blocked), over a cached
+    prefix read from the paged pool and causally within the chunk (GQA: 4 query heads on 2 K/V heads):
+    equal to fp32 attention over the same K/V within bf16's rounding, whatever the chunk's length
+    against llama.QUERY_BLOCK."""
+    cfg, block = tiny.model.cfg, 32
+    attn = llama.Attention(cfg, 0).to(torch.bfloat16)
+    H, KVH, D, total = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cached + new
+    gen = torch.Generator().manual_seed(cached * 1000 + new)
+    q, k, v = (torch.randn(total, heads, D, generator=gen) for heads in (H, KVH, KVH))
+    num_blocks = -(-total // block)
+    order = torch.randperm(num_blocks + 3, generator=gen)[:num_blocks]          # blocks anywhere in the pool
+    k_cache, v_cache = (torch.zeros(num_blocks + 3, KVH, block, D, dtype=torch.bfloat16) for _ in range(2))
+    for pos in range(cached):                  # the prefix sits in the pool; the chunk arrives as k, v
+        k_cache[order[pos // block], :, pos % block], v_cache[order[pos // block], :, pos % block] = k[pos], v[pos]
+    seq = llama.PrefillSeq(0, new, total, order)
+    got = attn._prefill_blocked(*(x[cached:].bfloat16() for x in (q, k, v)), seq, k_cache, v_cache)
+    assert got.shape == (new, H, D) and got.dtype == torch.bfloat16
+    mask = torch.ones(new, total, dtype=torch.bool).tril(cached)
+    rounded = [x.bfloat16().float().transpose(0, 1) for x in (q[cached:], k, v)]
+    expected = F.scaled_dot_product_attention(*rounded, attn_mask=mask, scale=D ** -0.5, enable_gqa=True)
+    assert (got.float().transpose(0, 1) - expected).abs().max() < 0.03
