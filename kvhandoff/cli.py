@@ -24,6 +24,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # not import the router's web stack; a test keeps them equal).
 DECODE_POLICIES = ("fewest-in-flight", "round-robin", "load")
 PREFILL_POLICIES = ("fewest-in-flight", "cache-aware")
+REUSE_POLICIES = ("cost", "always")      # prefill: fetch when the cost model says so, or whenever above the floor
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -123,7 +124,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "requests always evict retained KV when they need blocks) (default: no cap of its own)")
     g.add_argument("--reuse-min-tokens", type=int, default=64,
                    help="prefill: never fetch fewer reusable tokens than this (default: %(default)s)")
-    g.add_argument("--reuse-policy", default="cost", choices=["cost", "always"],
+    g.add_argument("--reuse-policy", default="cost", choices=REUSE_POLICIES,
                    help="prefill: fetch only when the cost model says it beats recomputing, or whenever above "
                         "the floor (default: %(default)s)")
 
@@ -359,8 +360,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.launch = [m.strip() for m in args.launch.split(",") if m.strip()]
         up_flags = argparse.ArgumentParser(prog="kvhandoff bench --launch", add_help=False)   # values checked now
         add_policy_args(up_flags)
-        for flag in ("--bidirectional", "--retry-colocated"):
+        for flag in ("--bidirectional", "--retry-colocated", "--no-prefix-caching"):
             up_flags.add_argument(flag, action="store_true")
+        up_flags.add_argument("--reuse-policy", choices=REUSE_POLICIES)
         up_flags.add_argument("--link", type=link_rate)
         up_flags.add_argument("--retention-ttl", type=positive_float)
         try:
@@ -557,10 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--target", metavar="URL", help="any OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     which.add_argument("--launch", metavar="MODE[,MODE...]",
                        help=f"start `kvhandoff up --mode MODE` for each mode in turn ({', '.join(modes.STACK_MODES)}; "
-                            "`+bidirectional`, `+retry-colocated` or `+late-binding` adds that flag, "
-                            "`+decode-policy=P`, `+prefill-policy=P`, `+disagg-min-tokens=N`, "
-                            "`+health-interval=S`, `+link=RATE` (an emulated link, e.g. 1gbit) or "
-                            "`+retention-ttl=S` (with +bidirectional) that option, e.g. "
+                            "`+bidirectional`, `+retry-colocated`, `+late-binding` or `+no-prefix-caching` adds "
+                            "that flag, `+decode-policy=P`, `+prefill-policy=P`, `+disagg-min-tokens=N`, "
+                            "`+health-interval=S`, `+link=RATE` (an emulated link, e.g. 1gbit), "
+                            "`+retention-ttl=S` or `+reuse-policy=P` (with +bidirectional) that option, e.g. "
                             "push+bidirectional or push+late-binding+decode-policy=load), measure, stop it")
     p.add_argument("--workload", default="grid",
                    help="grid, binding (grid's rates, a long/short prompt mix, heavy-tailed answers, bursts), "

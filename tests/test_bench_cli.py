@@ -212,4 +212,10 @@ def test_a_ttl_sweep_shows_what_retention_costs_and_buys(tmp_path):
     plain, short, long = (p["retention"] for p in summary["points"])
     assert plain is None and short["hit_rate"] == 0.0 and long["hit_rate"] == 1.0, (short, long)
     assert short["reused_tokens"] == 0 < long["reused_tokens"] and short["gib_s"] < long["gib_s"], (short, long)
+    # turn by turn: the prefill's own cache is off, so a later turn's history is fetched (TTL 60 s) or computed
+    by_turn = [{t["turn"]: t for t in p["turns"]} for p in summary["points"]]
+    assert all(sorted(turns) == [1, 2, 3] and all(t["cached_tokens"] == 0 for t in turns.values()) for turns in by_turn)
+    assert by_turn[2][1]["fetched_tokens"] == 0 < by_turn[2][2]["fetched_tokens"] <= by_turn[2][3]["fetched_tokens"]
+    assert all(t["fetched_tokens"] == 0 for turns in by_turn[:2] for t in turns.values())
+    assert "Turn by turn" in (out / "summary.md").read_text()
     assert "retention.png" in summary["meta"]["plots"]

@@ -358,6 +358,8 @@ def test_a_prefill_worker_that_caches_part_of_the_history_fetches_only_the_rest(
                 assert decision["local_tokens"] == local and 0 < local < reusable, decision
                 assert report["reused_tokens"] == reusable - local, report
                 assert report["reverse_bytes"] == (reusable - local) // block * block_bytes, report
+            # what the prefill worker's own cache served: the previous prompt's whole blocks (none at first)
+            assert report.get("prefill_cached_tokens", 0) == (local if turn else 0), report     # 0 is left out
             previous, history = len(ids), len(ids) + len(choice["token_ids"])
             ids = ids + choice["token_ids"] + [(turn * 13 + i * 5) % 400 + 20 for i in range(40)]
     finally:

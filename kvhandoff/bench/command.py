@@ -19,10 +19,10 @@ from kvhandoff.handoff.modes import STACK_MODES
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
 WORKLOADS = ("grid", "binding", "multiturn")          # generated; anything else is a file to replay
-LAUNCH_FLAGS = ("bidirectional", "retry-colocated", "late-binding")
+LAUNCH_FLAGS = ("bidirectional", "retry-colocated", "late-binding", "no-prefix-caching")
 # NAME=VALUE; link: a rate only (its delay would need a comma, which separates the specs)
 LAUNCH_OPTIONS = ("decode-policy", "prefill-policy", "disagg-min-tokens", "health-interval", "link",
-                  "retention-ttl")
+                  "retention-ttl", "reuse-policy")
 
 
 def launch_spec(spec: str) -> tuple[str, list[str]]:

@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,8 +140,30 @@ def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpo
                                       if point.cpu_s and "router" in point.cpu_s and rows else None),
         "moved_late": sum(1 for r in ok if (r["handoff"] or {}).get("rebound_from")),
         "decode_imbalance": imbalance(point.timeline), "timeline": point.timeline,
-        "retention": retention(point.retained, ok), "server": point.server,
+        "retention": retention(point.retained, ok), "turns": turns(ok), "server": point.server,
     }
+
+
+def turns(rows: list[dict]) -> list[dict] | None:
+    """Multi-turn points, turn by turn: TTFT, and where the prompt's KV came from (means, tokens): the
+    prefill worker's own prefix cache, a fetch from the decode worker that retained it, or computed;
+    and the router's choices (route_decision: cache, fetch, recompute)."""
+    by_turn: dict[int, list[dict]] = {}
+    for r in rows:
+        if r.get("turn"):
+            by_turn.setdefault(r["turn"], []).append(r)
+    out = []
+    for turn, group in sorted(by_turn.items()):
+        handoffs = [r["handoff"] or {} for r in group]
+        cached = [h.get("prefill_cached_tokens") or 0 for h in handoffs]
+        fetched = [h.get("reused_tokens") or 0 for h in handoffs]
+        out.append({"turn": turn, "n": len(group), "ttft_p50": percentile([r["ttft_ms"] for r in group], 50),
+                    "prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in group),
+                    "cached_tokens": statistics.fmean(cached), "fetched_tokens": statistics.fmean(fetched),
+                    "computed_tokens": statistics.fmean(r["prompt_tokens"] - c - f
+                                                        for r, c, f in zip(group, cached, fetched)),
+                    "choices": dict(Counter((h.get("route_decision") or {}).get("choice") or "-" for h in handoffs))})
+    return out or None
 
 
 def retention(samples: list, rows: list[dict]) -> dict | None:
@@ -216,6 +239,18 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
             lines.append(f"| {s['label']} | {k['gib_s']:.4f} | {k['peak_mib']:.1f} | {k['mean_mib']:.1f} | "
                          f"{k['turns_with_history']} | {fmt(k['hit_rate'], '.0%')} | {k['reused_tokens']} | "
                          f"{k['reverse_mib']:.1f} |")
+    turned = [s for s in summaries if s.get("turns")]
+    if turned:
+        lines += ["", "Turn by turn: TTFT p50 ms, and the prompt's tokens (means) served by the prefill worker's own "
+                  "prefix cache / fetched from a decode worker / computed; the router's choices:", "",
+                  "| point | turn | n | TTFT p50 | prompt | cached | fetched | computed | choices |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for s in turned:
+            for t in s["turns"]:
+                choices = ", ".join(f"{k} {v}" for k, v in sorted(t["choices"].items()))
+                lines.append(f"| {s['label']} | {t['turn']} | {t['n']} | {fmt(t['ttft_p50'])} | "
+                             f"{t['prompt_tokens']:.0f} | {t['cached_tokens']:.0f} | {t['fetched_tokens']:.0f} | "
+                             f"{t['computed_tokens']:.0f} | {choices} |")
     if meta.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"[{name}]({name})" for name in meta["plots"])]
     slo = summaries[0]["goodput"] if summaries else {}

@@ -89,6 +89,7 @@ class PullHandoff(Message):
     reused_tokens: int = 0
     reverse_bytes: int = 0
     reuse_decision: dict | None = None
+    prefill_cached_tokens: int = 0      # of the prompt, served by the prefill worker's own prefix cache
 
 
 class _Params(Message):
@@ -230,6 +231,7 @@ class PushPrefillAnswer(Message):
     reused_tokens: int = 0
     reverse_bytes: int = 0
     reuse_decision: dict | None = None
+    prefill_cached_tokens: int = 0      # of the prompt, served by the prefill worker's own prefix cache
 
 
 class Retained(Message):

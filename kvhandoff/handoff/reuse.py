@@ -433,7 +433,10 @@ class FetchingPrefill(Side):
                 raise HandoffError(job.failed, 502)
             raise HandoffError(f"prefill did not complete: {out.error or out.finish_reason}",
                                500 if out.finish_reason == "error" else 503)
-        return out, self.reuse.report(job.fetch, decision)
+        report = self.reuse.report(job.fetch, decision)
+        # The engine counts fetched blocks as cached once they land; what its own cache served is the rest.
+        report["prefill_cached_tokens"] = out.num_cached_tokens - report["reused_tokens"]
+        return out, report
 
     def reserved(self, job, request, num_local_tokens: int) -> None:
         self.reuse.reserved(job.fetch, request, num_local_tokens)

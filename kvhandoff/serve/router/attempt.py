@@ -40,7 +40,7 @@ REUSE_FLOOR_TOKENS = ReuseConfig().min_tokens
 # Fields of the prefill's handoff object worth showing the client when the decode side lacks them;
 # the rest (token ids, block ids, checksums, agent metadata) is protocol payload, not observability.
 PREFILL_FALLBACK_FIELDS = ("bytes_transferred", "bytes_before_prefill_end", "blocks", "reused_tokens",
-                           "reverse_bytes", "reuse_decision")
+                           "reverse_bytes", "reuse_decision", "prefill_cached_tokens")
 # Push: how long the decode side's final answer waits for the prefill's (normally there already: the
 # prefill answers once its WRITE is done, before decode can finish). Bounded, so a prefill that hangs
 # delays nobody's last chunk by more than this.
