@@ -1,7 +1,8 @@
 """Multi-turn benchmark (issue 5): does reading a conversation's KV back beat recomputing its history?
 
     python -m kvhandoff.bench.multiturn [--model smollm2] [--mode push] [--conversations 3] [--turns 6]
-        [--new-tokens 300] [--answer-tokens 64] [--think-s 1.0] [--prefix-caching off,on] [--out DIR]
+        [--new-tokens 300] [--answer-tokens 64] [--think-s 1.0] [--prefix-caching off,on]
+        [--retention-ttl S] [--out DIR]
 
 For each prefill-side prefix-caching setting (off, as in the published experiment, and on, the real
 baseline), two stacks run side by side (`kvhandoff up --mode MODE`, prefill on core 0, decode on core
@@ -53,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--answer-tokens", type=int, default=64)
     p.add_argument("--think-s", type=float, default=1.0)
     p.add_argument("--prefix-caching", default="off,on", help="prefill-side prefix caching settings to run")
+    p.add_argument("--retention-ttl", type=float, default=None,
+                   help="the bidirectional stack's --retention-ttl (seconds); below --think-s every later turn "
+                        "finds its history expired (the unfavourable case: a conversation resumed after a pause)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-multiturn"))
     args = p.parse_args(argv)
@@ -67,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_stacks(args, caching: str) -> dict[str, Stack]:
     prefill_args = [] if caching == "on" else ["--prefill-args=--no-prefix-caching"]
     stacks = {}
-    for name, extra in (("on", ["--bidirectional"]), ("off", [])):
+    ttl = [] if args.retention_ttl is None else ["--retention-ttl", str(args.retention_ttl)]
+    for name, extra in (("on", ["--bidirectional", *ttl]), ("off", [])):
         label = f"prefix-{caching}-bidir-{name}"
         stacks[name] = Stack(label, args.mode, "0,1", ["--model", args.model, *prefill_args, *extra],
                              args.out / "logs" / f"{label}.log")
@@ -171,7 +176,8 @@ def print_summary(s: dict) -> None:
 async def amain(args, registry: list[Stack]) -> dict:
     report = {"meta": {"model": args.model, "mode": args.mode, "conversations": args.conversations,
                        "turns": args.turns, "new_tokens": args.new_tokens, "answer_tokens": args.answer_tokens,
-                       "think_s": args.think_s, "seed": args.seed, "git_commit": git_commit(), "cpu": cpu_model(),
+                       "think_s": args.think_s, "retention_ttl": args.retention_ttl, "seed": args.seed,
+                       "git_commit": git_commit(), "cpu": cpu_model(),
                        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "pinning": "prefill core 0, decode core 1, 1 thread each; router unpinned"},
               "runs": [], "turns": [], "retention_samples": []}
