@@ -123,7 +123,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="decode: cap on retained KV, e.g. 256M (least recently used evicted first; running "
                         "requests always evict retained KV when they need blocks) (default: no cap of its own)")
     g.add_argument("--reuse-min-tokens", type=int, default=64,
-                   help="prefill: never fetch fewer reusable tokens than this (default: %(default)s)")
+                   help="prefill: never fetch fewer tokens than this (those its own prefix cache lacks) (default: %(default)s)")
     g.add_argument("--reuse-policy", default="cost", choices=REUSE_POLICIES,
                    help="prefill: fetch only when the cost model says it beats recomputing, or whenever above "
                         "the floor (default: %(default)s)")

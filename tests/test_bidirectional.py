@@ -3,6 +3,7 @@ reads it back. Engine and policy pieces first, then whole stacks (`kvhandoff up 
 multi-turn greedy outputs must equal a fresh colocated server's for every full prompt."""
 from __future__ import annotations
 
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,7 +21,7 @@ from kvhandoff.engine.holds import Hold
 from kvhandoff.engine.request import SamplingParams
 from kvhandoff.handoff.config import ReuseConfig
 from kvhandoff.handoff.messages import ReuseCandidate
-from kvhandoff.handoff.reuse import CostModel, decide
+from kvhandoff.handoff.reuse import CostModel, PrefillCost, decide, fit_prefill_cost
 from kvhandoff.serve.router.sessions import SessionEntry, SessionMap
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -98,8 +99,8 @@ def test_reuse_decisions():
     history = list(range(1000, 1400))                          # 12 full blocks
     prompt = history + list(range(50, 90))
     hashes = hash_chain(prompt, 32)
-    slow_prefill = CostModel(bandwidth_bps=1e9, fetch_overhead_s=0.001, prefill_tps=100.0)
-    fast_prefill = CostModel(bandwidth_bps=1e6, fetch_overhead_s=0.05, prefill_tps=1e6)
+    slow_prefill = CostModel(bandwidth_bps=1e9, fetch_overhead_s=0.001, prefill=PrefillCost(ms_per_ktok=10_000))
+    fast_prefill = CostModel(bandwidth_bps=1e6, fetch_overhead_s=0.05, prefill=PrefillCost(ms_per_ktok=1.0))
     cfg = ReuseConfig()
     args = (len(prompt), hashes, candidate(history), 32, 720 * 1024)
     d, n = decide(cfg, slow_prefill, *args, locally_cached_blocks=0)
@@ -112,6 +113,11 @@ def test_reuse_decisions():
     assert d.decision == "none" and "prefix cache" in d.reason
     d, _ = decide(ReuseConfig(min_tokens=500), slow_prefill, *args, locally_cached_blocks=0)
     assert d.decision == "recomputed" and "floor" in d.reason
+    # The floor is on what would move: 11 of the 12 blocks cached here leave 32 tokens to fetch.
+    d, n = decide(cfg, slow_prefill, *args, locally_cached_blocks=11)
+    assert (d.decision, n) == ("recomputed", 0) and "the 32 that would move are below the floor of 64" in d.reason
+    d, n = decide(cfg, slow_prefill, *args, locally_cached_blocks=10)
+    assert (d.decision, n) == ("fetched", 12) and d.local_tokens == 320
     d, _ = decide(cfg, slow_prefill, len(prompt), hashes, candidate(history, expires_in_s=1.0), 32, 720 * 1024, 0)
     assert d.decision == "recomputed" and "expires" in d.reason
     edited = history[:100] + [7] + history[101:] + list(range(50, 90))       # changed inside block 3
@@ -120,6 +126,44 @@ def test_reuse_decisions():
     other = list(range(2000, 2400))
     d, n = decide(cfg, slow_prefill, len(other), hash_chain(other, 32), candidate(history), 32, 720 * 1024, 0)
     assert (d.decision, n) == ("none", 0) and "edited" in d.reason
+
+
+def test_recompute_cost_grows_with_the_context_it_attends_to():
+    """The same 128 missing tokens: recomputed after a short cached prefix, fetched after a long one
+    (each of them then attends to the long prefix: the per-context term of the prefill cost)."""
+    model = CostModel(bandwidth_bps=1e9, fetch_overhead_s=0.02,
+                      prefill=PrefillCost(fixed_ms=30, ms_per_ktok=100, ms_per_ktok_kctx=100))
+    cfg = ReuseConfig()
+
+    def decide_after(cached_blocks: int):
+        history = list(range(1000, 1000 + 32 * (cached_blocks + 4)))
+        prompt = history + list(range(50, 90))
+        return decide(cfg, model, len(prompt), hash_chain(prompt, 32), candidate(history), 32, 1024, cached_blocks)
+
+    short, n_short = decide_after(2)
+    long, n_long = decide_after(120)
+    assert (short.decision, n_short) == ("recomputed", 0) and short.est_recompute_ms < short.est_fetch_ms
+    assert (long.decision, n_long) == ("fetched", 124) and long.est_recompute_ms > long.est_fetch_ms
+    # No fixed cost in a recompute estimate: the prefill runs for the new input anyway.
+    assert short.est_recompute_ms == pytest.approx(128 / 1e3 * 100 + 128 * (64 + 64) / 1e6 * 100, rel=1e-3)
+
+
+def test_prefill_cost_fit_recovers_its_terms():
+    truth = PrefillCost(fixed_ms=40, ms_per_ktok=900, ms_per_ktok_kctx=650)
+    rng = random.Random(3)
+    observed = []
+    for _ in range(48):
+        tokens, context = rng.randint(16, 600), rng.choice([0, 0, 300, 900, 1800])
+        observed.append((tokens, context, truth.ms(tokens, context) * rng.uniform(0.95, 1.05)))
+    fitted = fit_prefill_cost(observed, PrefillCost())
+    assert fitted.ms_per_ktok == pytest.approx(900, rel=0.15) and fitted.ms_per_ktok_kctx == pytest.approx(650, rel=0.2)
+    assert fitted.ms(328, 1792) == pytest.approx(truth.ms(328, 1792), rel=0.05)
+    # Few alike observations stay near the prior instead of extrapolating a wild context term; no
+    # coefficient is ever negative.
+    one = fit_prefill_cost([(300, 0, 330.0)], PrefillCost())
+    assert one.ms(300) == pytest.approx(330, rel=0.1) and min(one.fixed_ms, one.ms_per_ktok, one.ms_per_ktok_kctx) >= 0
+    falling = fit_prefill_cost([(100, 0, 200.0), (400, 0, 150.0)], PrefillCost())
+    assert min(falling.fixed_ms, falling.ms_per_ktok, falling.ms_per_ktok_kctx) >= 0
 
 
 def test_session_map_finds_the_longest_match_and_forgets_expired():
@@ -338,14 +382,15 @@ def test_changed_histories_reuse_exactly_the_longest_common_prefix(colocated, tm
 def test_a_prefill_worker_that_caches_part_of_the_history_fetches_only_the_rest(colocated, tmp_path):
     """Prefill-side prefix caching on (the deployment's real baseline): the next turn's prefill worker
     still holds the previous prompt's blocks, so it READs only the blocks after them (the previous
-    answer's) from the decode worker, and its cost model weighs exactly those blocks."""
+    answer's) from the decode worker, and its cost model weighs exactly those blocks. (Answers of 72
+    tokens: at least the floor's 64 tokens past the previous prompt's blocks.)"""
     up = start_up(tmp_path, "push", *ENGINE, "--bidirectional", "--reuse-policy", "always")
     health = httpx.get(decode_health(up.url)["url"] + "/health", timeout=10).json()
     block, block_bytes = health["block_size"], health["block_bytes"]
     try:
         ids = [(i * 7 + 3) % 500 + 10 for i in range(200)]
         for turn in range(3):
-            body = {"prompt": ids, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            body = {"prompt": ids, "max_tokens": 72, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
             got = httpx.post(up.url + "/v1/completions", json=body, headers={"X-Session-Id": "cached"}, timeout=120)
             choice, report = got.json()["choices"][0], got.json()["handoff"]
             expected = httpx.post(colocated.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]

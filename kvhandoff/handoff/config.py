@@ -23,7 +23,7 @@ class RetentionConfig:
 @dataclass
 class ReuseConfig:
     """Prefill side of bidirectional reuse: when reading retained history back beats recomputing it."""
-    min_tokens: int = 64                # never fetch fewer reusable tokens than this
+    min_tokens: int = 64                # never fetch fewer tokens than this (those that would move)
     policy: str = "cost"                # cost: fetch only when cheaper; always: whenever above the floor
     expiry_margin_s: float = 5.0        # decline KV that expires sooner than this (plus the fetch itself)
 

@@ -24,9 +24,11 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvhandoff.engine.block_pool import hash_chain
 from kvhandoff.engine.request import RequestOutput, RetainedKV, SamplingParams
@@ -213,24 +215,104 @@ class ReuseDecision:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-class CostModel:
-    """What fetching and recomputing cost on this worker, learned from what it did."""
-    ALPHA = 0.3                         # weight of the newest measurement
+@dataclass(frozen=True)
+class PrefillCost:
+    """Milliseconds a prefill takes to compute `tokens` new tokens after `context` tokens whose K/V it
+    already has: a fixed cost per prefill (a forward pass's overhead), a cost per token, and a cost per
+    token that grows with what it attends to (token i sees context + i keys):
+        ms = fixed_ms + tokens * ms_per_ktok / 1e3 + tokens * (context + tokens / 2) * ms_per_ktok_kctx / 1e6
+    The last term is why 328 tokens after 1,792 cached cost twice what the same 328 cost alone; a
+    rate per token alone misjudges both a short fetch (where the fixed cost is paid anyway) and a long
+    history (where each token costs more)."""
+    fixed_ms: float = 20.0
+    ms_per_ktok: float = 2000.0         # 500 tokens/s until measured
+    ms_per_ktok_kctx: float = 0.0
 
-    def __init__(self, bandwidth_bps: float = 2e8, fetch_overhead_s: float = 0.02, prefill_tps: float = 500.0):
+    @staticmethod
+    def features(tokens: int, context: int) -> tuple[float, float, float]:
+        return 1.0, tokens / 1e3, tokens * (context + tokens / 2) / 1e6
+
+    def ms(self, tokens: int, context: int = 0) -> float:
+        """A whole prefill of `tokens` (nothing: 0 ms)."""
+        return self.fixed_ms + self.extra_ms(tokens, context) if tokens > 0 else 0.0
+
+    def extra_ms(self, tokens: int, context: int = 0) -> float:
+        """What `tokens` more add to a prefill that runs anyway (no fixed cost): the price of
+        recomputing history on a worker that computes the new input regardless."""
+        _, per_token, attention = self.features(tokens, context)
+        return per_token * self.ms_per_ktok + attention * self.ms_per_ktok_kctx
+
+    def rates(self) -> dict:
+        return {"prefill_fixed_ms": round(self.fixed_ms, 3), "prefill_ms_per_ktok": round(self.ms_per_ktok, 3),
+                "prefill_ms_per_ktok_kctx": round(self.ms_per_ktok_kctx, 3)}
+
+    @classmethod
+    def from_rates(cls, rates: dict) -> PrefillCost:
+        """What a worker reported in /health (missing fields: the defaults)."""
+        default = cls()
+        return cls(float(rates.get("prefill_fixed_ms", default.fixed_ms)),
+                   float(rates.get("prefill_ms_per_ktok", default.ms_per_ktok)),
+                   float(rates.get("prefill_ms_per_ktok_kctx", default.ms_per_ktok_kctx)))
+
+
+def fit_prefill_cost(observed: list[tuple[int, int, float]], prior: PrefillCost, prior_weight: float = 0.01) -> PrefillCost:
+    """Least squares of PrefillCost over (tokens, context, ms) observations, no coefficient negative,
+    with a faint pull (`prior_weight` of one observation) towards `prior`: it decides only what the
+    observations leave open (one observation, or prompts that all start from an empty cache, cannot
+    separate the three terms). Three coefficients: every subset of them is solved and the best
+    non-negative solution kept (exact NNLS at this size)."""
+    x = np.array([PrefillCost.features(n, c) for n, c, _ in observed], dtype=float).reshape(-1, 3)
+    y = np.array([ms for _, _, ms in observed], dtype=float)
+    theta0 = np.array([prior.fixed_ms, prior.ms_per_ktok, prior.ms_per_ktok_kctx])
+    # The prior as pseudo-rows, each scaled to a typical observation (300 tokens, 1,000 of context).
+    scale = np.sqrt(prior_weight) * np.array([1.0, 0.3, 0.35])
+    best, best_loss = theta0, float("inf")
+    for mask in itertools.product((True, False), repeat=3):
+        keep = np.array(mask)
+        if not keep.any():
+            continue
+        # min |x theta - y|^2 + |scale (theta - theta0)|^2 with the coefficients not kept at 0
+        rows = np.vstack([x[:, keep], np.diag(scale)[:, keep]])
+        target = np.concatenate([y, scale * theta0])
+        theta = np.zeros(3)
+        theta[keep] = np.linalg.lstsq(rows, target, rcond=None)[0]
+        if (theta < 0).any():
+            continue
+        loss = float(np.sum((x @ theta - y) ** 2) + np.sum((scale * (theta - theta0)) ** 2))
+        if loss < best_loss:
+            best, best_loss = theta, loss
+    return PrefillCost(*map(float, best))
+
+
+class CostModel:
+    """What fetching and recomputing cost on this worker, learned from what it did: the prefill's
+    PrefillCost refitted over its last WINDOW prefills, the reverse read's bandwidth and fixed cost as
+    moving averages."""
+    ALPHA = 0.3                         # weight of the newest fetch measurement
+    WINDOW = 64                         # prefills the prefill cost is fitted over
+
+    def __init__(self, bandwidth_bps: float = 2e8, fetch_overhead_s: float = 0.02,
+                 prefill: PrefillCost = PrefillCost()):
         # Defaults err towards recomputing: a slow link and a fast prefill, until measured.
-        self.bandwidth_bps, self.fetch_overhead_s, self.prefill_tps = bandwidth_bps, fetch_overhead_s, prefill_tps
+        self.bandwidth_bps, self.fetch_overhead_s = bandwidth_bps, fetch_overhead_s
+        self.prefill = self.prior = prefill
+        self.observed: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)
         self.measured = {"fetches": 0, "prefills": 0}
         self._lock = threading.Lock()
 
     def _ewma(self, old: float, new: float, first: bool) -> float:
         return new if first else (1 - self.ALPHA) * old + self.ALPHA * new
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens < 16 or seconds <= 0:
-            return                      # too small to say anything about the rate
+    def observe_prefill(self, tokens: int, context: int, seconds: float) -> None:
+        """A prefill computed `tokens` after `context` tokens it had (cached or fetched) in `seconds`."""
+        if tokens < 1 or seconds <= 0:
+            return
         with self._lock:
-            self.prefill_tps = self._ewma(self.prefill_tps, tokens / seconds, self.measured["prefills"] == 0)
+            self.observed.append((tokens, context, seconds * 1e3))
+            observed = list(self.observed)
+        fitted = fit_prefill_cost(observed, self.prior)
+        with self._lock:
+            self.prefill = fitted
             self.measured["prefills"] += 1
 
     def observe_fetch(self, nbytes: int, transfer_s: float, total_s: float) -> None:
@@ -245,21 +327,23 @@ class CostModel:
     def fetch_s(self, nbytes: int) -> float:
         return self.fetch_overhead_s + nbytes / self.bandwidth_bps
 
-    def recompute_s(self, tokens: int) -> float:
-        return tokens / self.prefill_tps
+    def recompute_s(self, tokens: int, context: int) -> float:
+        """Recomputing `tokens` of history after `context` tokens held here, within a prefill that
+        runs anyway (the new input is always computed here)."""
+        return self.prefill.extra_ms(tokens, context) / 1e3
 
     def rates(self) -> dict:
         """What /health reports, for the router to weigh this worker's cache against a fetch."""
         with self._lock:
-            return {"prefill_tps": round(self.prefill_tps, 1), "reverse_bps": round(self.bandwidth_bps),
+            return {**self.prefill.rates(), "reverse_bps": round(self.bandwidth_bps),
                     "fetch_overhead_ms": round(self.fetch_overhead_s * 1e3, 3), **self.measured}
 
 
-def common_prefix_blocks(prompt_hashes: list[bytes], retained_hashes: list[str]) -> int:
-    """How many leading full blocks the new prompt shares with the retained tokens."""
+def common_prefix_blocks(ours: list[str], theirs: list[str]) -> int:
+    """How many leading full blocks two hash chains (hex) share."""
     n = 0
-    for ours, theirs in zip(prompt_hashes, retained_hashes):
-        if ours.hex() != theirs:
+    for mine, other in zip(ours, theirs):
+        if mine != other:
             break
         n += 1
     return n
@@ -271,7 +355,7 @@ def decide(cfg: ReuseConfig, model: CostModel, prompt_len: int, prompt_hashes: l
     """(decision, number of leading blocks to fetch). At least one prompt token is always computed
     here (it yields the first output token), so at most (prompt_len - 1) // block_size blocks."""
     hashes = candidate.block_hashes
-    blocks = min(common_prefix_blocks(prompt_hashes, hashes), (prompt_len - 1) // block_size)
+    blocks = min(common_prefix_blocks([h.hex() for h in prompt_hashes], hashes), (prompt_len - 1) // block_size)
     tokens = blocks * block_size
     if blocks == 0:
         why = "the prompt does not start with the retained tokens (history edited?)" if hashes else \
@@ -279,17 +363,19 @@ def decide(cfg: ReuseConfig, model: CostModel, prompt_len: int, prompt_hashes: l
         return ReuseDecision("none", why), 0
     diverged = blocks < len(hashes) and blocks < (prompt_len - 1) // block_size
     note = f" (history differs after token {tokens})" if diverged else ""
-    if tokens < cfg.min_tokens:
-        return ReuseDecision("recomputed", f"{tokens} reusable tokens, below the floor of {cfg.min_tokens}{note}",
-                             tokens), 0
     if locally_cached_blocks >= blocks:
         return ReuseDecision("none", f"this worker's prefix cache already holds the {tokens} reusable tokens",
                              tokens), 0
-    # Only what this worker's prefix cache lacks would move, and only that would be computed otherwise.
+    # Only what this worker's prefix cache lacks would move, and only that would be computed otherwise;
+    # the floor is on what would move (a fetch has a fixed cost that a few tokens cannot repay).
     missing = blocks - locally_cached_blocks
-    fetch_s = model.fetch_s(missing * block_bytes)
-    recompute_s = model.recompute_s(missing * block_size)
     local = f", {locally_cached_blocks * block_size} of them cached here" if locally_cached_blocks else ""
+    if missing * block_size < cfg.min_tokens:
+        return ReuseDecision("recomputed", f"{tokens} reusable tokens{local}: the {missing * block_size} that would "
+                             f"move are below the floor of {cfg.min_tokens}{note}", tokens,
+                             locally_cached_blocks * block_size), 0
+    fetch_s = model.fetch_s(missing * block_bytes)
+    recompute_s = model.recompute_s(missing * block_size, locally_cached_blocks * block_size)
     decision = ReuseDecision("fetched", f"{tokens} reusable tokens{local}{note}", tokens,
                              locally_cached_blocks * block_size, round(fetch_s * 1e3, 3), round(recompute_s * 1e3, 3))
     expires_in = candidate.expires_in_s
@@ -443,7 +529,7 @@ class FetchingPrefill(Side):
 
     def observe(self, out: RequestOutput) -> None:
         computed = out.num_prompt_tokens - out.num_cached_tokens
-        self.reuse.cost_model.observe_prefill(computed, (out.timings.get("prefill_ms") or 0) / 1e3)
+        self.reuse.cost_model.observe_prefill(computed, out.num_cached_tokens, (out.timings.get("prefill_ms") or 0) / 1e3)
 
     def refused(self, handoff_id: str, reason: str) -> None:
         """The prefill leg was refused before it started (busy, invalid)."""

@@ -27,8 +27,9 @@ Prefill:
   estimated milliseconds and each prefill worker has two ways (`reuse_estimate`): compute the
   prompt past what its own cache holds, or fetch the retained blocks it lacks (at least the reuse
   floor, 64 tokens) and compute the rest; both after its queue, at the rates it reports
-  (`reuse_rates` in /health: its measured prefill tokens/s, reverse-read bandwidth and fetch
-  overhead). The cheapest worker and way win: its cache when that holds the history and it is idle,
+  (`reuse_rates` in /health: its prefill cost fitted to what it measured, a fixed part, a part per
+  token and a part growing with the context each token attends to; reverse-read bandwidth and
+  fetch overhead). The cheapest worker and way win: its cache when that holds the history and it is idle,
   a fetch elsewhere when it is busy, recomputing when no fetch is worth it (`route_decision` in the
   handoff object; the prefill worker then decides for itself with exact figures: `reuse_decision`).
 Late binding (`--late-binding`, push modes, any decode policy): the decode worker picked at arrival
@@ -47,6 +48,8 @@ from __future__ import annotations
 import statistics
 from enum import Enum
 from typing import TYPE_CHECKING
+
+from kvhandoff.handoff.reuse import CostModel, PrefillCost, common_prefix_blocks
 
 if TYPE_CHECKING:
     from kvhandoff.serve.router.pool import Worker
@@ -110,35 +113,29 @@ def queued_prefill_tokens(worker: Worker) -> int:
     return max(int(worker.last_health.get("num_tokens_to_prefill") or 0), worker.tokens_in_flight)
 
 
-# A prefill worker's rates before it has measured any (handoff.reuse.CostModel's defaults).
-DEFAULT_REUSE_RATES = {"prefill_tps": 500.0, "reverse_bps": 2e8, "fetch_overhead_ms": 20.0}
-
-
-def common_blocks(ours: list[str], theirs: list[str]) -> int:
-    n = 0
-    while n < min(len(ours), len(theirs)) and ours[n] == theirs[n]:
-        n += 1
-    return n
-
-
 def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, history: list[str], floor: int) -> dict:
     """One prefill worker's way to a prompt whose history (`history`, block hashes) a decode worker
     retains: compute past its own cached prefix, or fetch what it lacks of the history and compute the
     rest, whichever it should finish first (ms, its queue included). At least one prompt token is
-    always computed (it yields the first output token)."""
+    always computed (it yields the first output token). Costs at the rates it reports (`reuse_rates`
+    in /health: handoff.reuse.PrefillCost's fit, reverse-read bandwidth and fixed cost; the
+    CostModel's defaults before it has measured any)."""
     bs, limit = facts.block_size, (facts.num_tokens - 1) // facts.block_size
     cached = min(index.cached_blocks(worker.url, facts.block_hashes), limit)
-    fetchable = min(common_blocks(facts.block_hashes, history), limit)
-    rates = {**DEFAULT_REUSE_RATES, **(worker.last_health.get("reuse_rates") or {})}
-    queued, ms_per_token = queued_prefill_tokens(worker), 1e3 / rates["prefill_tps"]
-    compute_ms = (queued + facts.num_tokens - cached * bs) * ms_per_token
+    fetchable = min(common_prefix_blocks(facts.block_hashes, history), limit)
+    rates = {**CostModel().rates(), **(worker.last_health.get("reuse_rates") or {})}
+    prefill = PrefillCost.from_rates(rates)
+    # The queue's prompts are of unknown context: each taken at the cost of tokens from an empty cache.
+    queued = queued_prefill_tokens(worker)
+    queue_ms = prefill.ms(queued)
+    compute_ms = queue_ms + prefill.ms(facts.num_tokens - cached * bs, cached * bs)
     row = {"url": worker.url, "cached_tokens": cached * bs, "fetchable_tokens": fetchable * bs,
            "queued_tokens": queued, "est_compute_ms": round(compute_ms, 3),
            "option": "cache" if cached * bs >= floor else "recompute", "est_ms": compute_ms}
     if (fetchable - cached) * bs >= floor:
         fetch_ms = rates["fetch_overhead_ms"] + (fetchable - cached) * int(worker.last_health.get("block_bytes") or 0) \
             / rates["reverse_bps"] * 1e3
-        with_fetch_ms = (queued + facts.num_tokens - fetchable * bs) * ms_per_token + fetch_ms
+        with_fetch_ms = queue_ms + fetch_ms + prefill.ms(facts.num_tokens - fetchable * bs, fetchable * bs)
         row["est_fetch_ms"] = round(fetch_ms, 3)
         if with_fetch_ms < compute_ms:
             row.update(option="fetch", est_ms=with_fetch_ms)
