@@ -6,12 +6,14 @@
 
 For each prefill-side prefix-caching setting (off, as in the published experiment, and on, the real
 baseline), two stacks run side by side (`kvhandoff up --mode MODE`, prefill on core 0, decode on core
-1): one with `--bidirectional`, one without. Every conversation is played on both, alternating which
-goes first; turns follow each other after --think-s of think time, each prompt being the previous
-prompt + the answer + --new-tokens of new text, the answer --answer-tokens long (ignore_eos). Measured
-per turn: TTFT as the client sees it, the handoff's reuse_decision, reused tokens and reverse bytes;
-and every second the decode worker's retained bytes (/metrics) next to the bytes of the blocks its
-/health says are retained. Greedy answers of the two stacks must agree (correctness beside speed).
+1): one with `--bidirectional`, one without. Every conversation is played on both turn by turn (turn k
+on one stack, then on the other, which goes first alternating), --think-s after each turn, each
+prompt being the previous prompt + the answer + --new-tokens of new text, the answer --answer-tokens
+long (ignore_eos). Measured per turn: TTFT as the client sees it, the handoff's reuse_decision,
+reused tokens and reverse bytes; and every second the decode worker's retained bytes (/metrics) next
+to the bytes of the blocks its /health says are retained. Greedy answers of the two stacks must
+agree (correctness beside speed). Ratios come with a 95% bootstrap interval of their median: one
+request's TTFT moves by 10-20% here, so a 2% goal needs many conversations to be resolved at all.
 Tables to stdout, progress to stderr, every figure to DIR/multiturn.json.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import random
 import re
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -102,29 +105,55 @@ async def sample_retention(client: httpx.AsyncClient, stack: Stack, into: list, 
             pass
 
 
-async def play(client: httpx.AsyncClient, stack: Stack, model: str, args, conversation: int,
-               words_per_token: float) -> list[dict]:
-    rng = random.Random(f"{args.seed}-conv-{conversation}")
-    turns = [random_text(rng, round(args.new_tokens * words_per_token)) for _ in range(args.turns)]
-    prompt, rows = "", []
-    for turn, new_text in enumerate(turns, start=1):
-        prompt = (prompt + " " + new_text).strip()
-        body = completion_body(model, prompt, args.answer_tokens)
-        result: RequestResult = await stream_completion(client, stack.url, body)
+@dataclass
+class Conversation:
+    """One conversation as one stack sees it: the same new text each turn on every stack, its own
+    answers appended (greedy answers agree across stacks, which summarize checks)."""
+    stack: Stack
+    index: int
+    new_texts: list[str]
+    prompt: str = ""
+
+    async def turn(self, client: httpx.AsyncClient, model: str, args, turn: int) -> dict:
+        self.prompt = (self.prompt + " " + self.new_texts[turn - 1]).strip()
+        result: RequestResult = await stream_completion(client, self.stack.url,
+                                                        completion_body(model, self.prompt, args.answer_tokens))
         if not result.ok:
-            raise RuntimeError(f"{stack.name} conversation {conversation} turn {turn}: {result.error}")
+            raise RuntimeError(f"{self.stack.name} conversation {self.index} turn {turn}: {result.error}")
         h = result.handoff or {}
-        rows.append({"stack": stack.name, "conversation": conversation, "turn": turn,
-                     "prompt_tokens": result.prompt_tokens, "ttft_ms": result.ttft_ms, "tpot_ms": result.tpot_ms,
-                     "reuse_decision": h.get("reuse_decision"), "reused_tokens": h.get("reused_tokens"),
-                     "reverse_bytes": h.get("reverse_bytes"), "decode_cached_tokens": h.get("decode_cached_tokens"),
-                     "phases_ms": h.get("phases_ms"), "text": result.text})
-        log(f"  {stack.name:<24} conv {conversation} turn {turn}: {result.prompt_tokens:>5} tok  "
+        log(f"  {self.stack.name:<24} conv {self.index} turn {turn}: {result.prompt_tokens:>5} tok  "
             f"TTFT {result.ttft_ms:8.1f} ms  {((h.get('reuse_decision') or {}).get('decision') or '-'):<10} "
             f"reused {h.get('reused_tokens') or 0}")
-        prompt += result.text
+        self.prompt += result.text
+        return {"stack": self.stack.name, "conversation": self.index, "turn": turn,
+                "prompt_tokens": result.prompt_tokens, "ttft_ms": result.ttft_ms, "tpot_ms": result.tpot_ms,
+                "reuse_decision": h.get("reuse_decision"), "reused_tokens": h.get("reused_tokens"),
+                "reverse_bytes": h.get("reverse_bytes"), "decode_cached_tokens": h.get("decode_cached_tokens"),
+                "phases_ms": h.get("phases_ms"), "text": result.text}
+
+
+async def play(client: httpx.AsyncClient, stacks: dict[str, Stack], model: str, args, conversation: int,
+               words_per_token: float) -> list[dict]:
+    """One conversation on both stacks, turn by turn: each turn on one stack then the other (which
+    goes first alternates), then --think-s; so the two stacks' turns k are measured seconds apart
+    and drift on the machine hits both alike."""
+    rng = random.Random(f"{args.seed}-conv-{conversation}")
+    texts = [random_text(rng, round(args.new_tokens * words_per_token)) for _ in range(args.turns)]
+    sides = {name: Conversation(stack, conversation, texts) for name, stack in stacks.items()}
+    rows = []
+    for turn in range(1, args.turns + 1):
+        order = ["on", "off"] if (conversation + turn) % 2 == 0 else ["off", "on"]
+        for name in order:
+            rows.append(await sides[name].turn(client, model, args, turn))
         await asyncio.sleep(args.think_s)
     return rows
+
+
+def median_ci(values: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median: how far the median could move on a rerun."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
 
 
 def summarize(rows: list[dict], caching: str, turns: int) -> dict:
@@ -139,6 +168,7 @@ def summarize(rows: list[dict], caching: str, turns: int) -> dict:
             "ttft_on_ms": statistics.median(on[k]["ttft_ms"] for k in keys),
             "ttft_off_ms": statistics.median(off[k]["ttft_ms"] for k in keys),
             "speedup": statistics.median(ratios), "worst_on_over_off": max(1 / x for x in ratios),
+            "on_over_off_ci": median_ci([1 / x for x in ratios]),
             "decisions": sorted({(on[k]["reuse_decision"] or {}).get("decision", "-") for k in keys}),
             "reused_tokens": statistics.median(on[k]["reused_tokens"] or 0 for k in keys),
             "same_text": f"{sum(on[k]['text'] == off[k]['text'] for k in keys)}/{len(keys)}"})
@@ -152,25 +182,33 @@ def summarize(rows: list[dict], caching: str, turns: int) -> dict:
     goals["later_turns_met"] = goals["later_turns_speedup_min"] is not None and \
         goals["later_turns_speedup_min"] >= GOAL_LATER_TURNS_X
     goals["no_turn_slower_met"] = goals["worst_turn_on_over_off"] <= GOAL_NO_TURN_SLOWER
+    # Every turn pooled: one ratio per (conversation, turn), its median and how well it is resolved.
+    pooled = [on[k]["ttft_ms"] / off[k]["ttft_ms"] for k in on if k in off]
+    goals["all_turns_on_over_off"] = statistics.median(pooled)
+    goals["all_turns_on_over_off_ci"] = median_ci(pooled)
     return {"prefix_caching": caching, "per_turn": per_turn, "goals": goals}
 
 
 def print_summary(s: dict) -> None:
     print(f"\nprefill prefix caching {s['prefix_caching']}: TTFT per turn, bidirectional on vs off "
           "(medians over conversations; speedup = median of per-conversation off/on)")
-    head = f"{'turn':>4} {'prompt':>6} {'TTFT off':>9} {'TTFT on':>9} {'speedup':>8} {'worst on/off':>12} " \
-           f"{'decision':<22} {'reused':>6} {'same':>5}"
+    head = f"{'turn':>4} {'prompt':>6} {'TTFT off':>9} {'TTFT on':>9} {'speedup':>8} {'on/off 95% CI':>14} " \
+           f"{'worst on/off':>12} {'decision':<22} {'reused':>6} {'same':>5}"
     print(head + "\n" + "-" * len(head))
     for t in s["per_turn"]:
+        lo, hi = t["on_over_off_ci"]
         print(f"{t['turn']:>4} {t['prompt_tokens']:>6.0f} {t['ttft_off_ms']:>9.1f} {t['ttft_on_ms']:>9.1f} "
-              f"{t['speedup']:>7.2f}x {t['worst_on_over_off']:>11.3f}x {','.join(t['decisions']):<22} "
-              f"{t['reused_tokens']:>6.0f} {t['same_text']:>5}")
+              f"{t['speedup']:>7.2f}x {f'{lo:.3f}-{hi:.3f}':>14} {t['worst_on_over_off']:>11.3f}x "
+              f"{','.join(t['decisions']):<22} {t['reused_tokens']:>6.0f} {t['same_text']:>5}")
     g = s["goals"]
     later = "-" if g["later_turns_speedup_min"] is None else f"{g['later_turns_speedup_min']:.2f}x"
     print(f"  goal: TTFT speedup >= {GOAL_LATER_TURNS_X}x at turns with >= {LATER_TURN_HISTORY} prompt tokens: "
           f"{later} ({'met' if g['later_turns_met'] else 'NOT met'})")
     print(f"  goal: no turn slower than {GOAL_NO_TURN_SLOWER}x with bidirectional on (median on/off per turn): "
           f"worst {g['worst_turn_on_over_off']:.3f}x ({'met' if g['no_turn_slower_met'] else 'NOT met'})")
+    lo, hi = g["all_turns_on_over_off_ci"]
+    print(f"  every turn pooled: on/off median {g['all_turns_on_over_off']:.3f}x (95% CI {lo:.3f}-{hi:.3f}; "
+          "an interval wider than the goal's 2% means the run cannot tell)")
 
 
 async def amain(args, registry: list[Stack]) -> dict:
@@ -201,9 +239,7 @@ async def amain(args, registry: list[Stack]) -> dict:
                 sampler = asyncio.ensure_future(sample_retention(client, stacks["on"], samples, stop))
                 rows = []
                 for conv in range(args.conversations):
-                    order = ["on", "off"] if conv % 2 == 0 else ["off", "on"]
-                    for name in order:
-                        rows += await play(client, stacks[name], model, args, conv, words_per_token)
+                    rows += await play(client, stacks, model, args, conv, words_per_token)
                 stop.set()
                 await sampler
                 # After the last turn: what is still retained, as reported and as held.
