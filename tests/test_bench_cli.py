@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from kvhandoff.bench import workload as W
+from kvhandoff.bench.harness import turns
 from kvhandoff.bench.command import launch_spec
 from kvhandoff.bench.demo import Calibration
 from kvhandoff.serve.netlink import LinkError, LinkSpec, check_available
@@ -31,6 +32,19 @@ def outputs(out: Path) -> tuple[list[dict], dict]:
     summary = json.loads((out / "summary.json").read_text())
     assert (out / "summary.md").read_text().startswith("# kvhandoff bench")
     return rows, summary
+
+
+def test_turn_table_reports_the_router_estimate_of_the_chosen_way():
+    def row(turn, measured, est_chosen, est_other):
+        decision = {"choice": "fetch", "prefill_worker": "http://a", "measured_ms": measured,
+                    "candidates": [{"url": "http://b", "est_ms": est_other}, {"url": "http://a", "est_ms": est_chosen}]}
+        return {"turn": turn, "ttft_ms": 100.0, "prompt_tokens": 300,
+                "handoff": {"route_decision": decision, "prefill_cached_tokens": 64, "reused_tokens": 128}}
+    rows = [row(2, 120.0, 100.0, 50.0), row(2, 80.0, 100.0, 999.0), row(2, 300.0, 100.0, 1.0), row(1, 50.0, 100.0, 1.0)]
+    rows.append({"turn": 1, "ttft_ms": 90.0, "prompt_tokens": 300, "handoff": {}})
+    by_turn = {t["turn"]: t for t in turns(rows)}
+    assert by_turn[2]["estimate_ratio"] == 1.2 and by_turn[1]["estimate_ratio"] == 0.5
+    assert by_turn[2]["computed_tokens"] == 300 - 64 - 128 and by_turn[2]["choices"] == {"fetch": 3}
 
 
 def test_bench_a_running_server_by_url(tiny_server, tmp_path):

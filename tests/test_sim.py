@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvhandoff.sim.calibrate import Costs, Linear, link_of
+from kvhandoff.sim.calibrate import Costs, Linear, computed_tokens, link_of
 from kvhandoff.serve.router import policies
 from kvhandoff.serve.router.policies import DecodePolicy
 from kvhandoff.sim.fleet import LATE_BINDING_MARGIN, POLICIES, Fleet, Job, Link, poisson_jobs
@@ -133,3 +133,19 @@ def test_output_lengths_can_be_drawn_with_a_chosen_spread():
 def test_a_run_behind_an_emulated_link_is_replayed_behind_it():
     assert link_of("push-layerwise+late-binding+link=200mbit") == 200e6 and link_of("pull+link=1gbit") == 1e9
     assert link_of("push+decode-policy=load") is None
+
+
+def test_a_prompt_is_charged_only_the_tokens_its_prefill_computed():
+    """Multi-turn runs: the prefill worker's own cache (prefill_cached_tokens) and a fetch (reused_tokens)
+    spare it part of the prompt. Calibration fits on what was computed, and the replay charges the same;
+    the KV that moves to the decode worker is still the whole prompt's."""
+    row = {"prompt_tokens": 1000, "handoff": {"reused_tokens": 256, "prefill_cached_tokens": 512}}
+    assert computed_tokens(row) == 232 and computed_tokens({"prompt_tokens": 64, "handoff": {}}) == 64
+    assert computed_tokens({"prompt_tokens": 64, "handoff": {"prefill_cached_tokens": 64}}) == 1
+    fixed = costs(prefill_ms=Linear(0.0, 0.1), prefill_spread=[0.0], prompt_tokens=[1000], output_tokens=[8],
+                  computed_tokens=[250])
+    whole, cached = (Fleet(fixed, 1, 2, "round-robin", "early").run([Job(0, 0.0, 1000, 8, n)]) for n in (None, 250))
+    assert whole[0]["phases_ms"]["prefill_compute"] == pytest.approx(100.0)
+    assert cached[0]["phases_ms"]["prefill_compute"] == pytest.approx(25.0)
+    assert whole[0]["phases_ms"]["transfer"] == pytest.approx(cached[0]["phases_ms"]["transfer"])
+    assert {j.computed_tokens for j in poisson_jobs(fixed, 10.0, 20, 0)} == {250}

@@ -147,7 +147,8 @@ def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpo
 def turns(rows: list[dict]) -> list[dict] | None:
     """Multi-turn points, turn by turn: TTFT, and where the prompt's KV came from (means, tokens): the
     prefill worker's own prefix cache, a fetch from the decode worker that retained it, or computed;
-    and the router's choices (route_decision: cache, fetch, recompute)."""
+    the router's choices (route_decision: cache, fetch, recompute) and how good its estimate of the
+    chosen way was (median of measured / estimated ms)."""
     by_turn: dict[int, list[dict]] = {}
     for r in rows:
         if r.get("turn"):
@@ -162,8 +163,20 @@ def turns(rows: list[dict]) -> list[dict] | None:
                     "cached_tokens": statistics.fmean(cached), "fetched_tokens": statistics.fmean(fetched),
                     "computed_tokens": statistics.fmean(r["prompt_tokens"] - c - f
                                                         for r, c, f in zip(group, cached, fetched)),
-                    "choices": dict(Counter((h.get("route_decision") or {}).get("choice") or "-" for h in handoffs))})
+                    "choices": dict(Counter((h.get("route_decision") or {}).get("choice") or "-" for h in handoffs)),
+                    "estimate_ratio": route_estimate_ratio(handoffs)})
     return out or None
+
+
+def route_estimate_ratio(handoffs: list[dict]) -> float | None:
+    """Median of measured / estimated ms of the way the router chose (None: it chose nothing)."""
+    ratios = []
+    for h in handoffs:
+        decision = h.get("route_decision") or {}
+        chosen = next((c for c in decision.get("candidates") or [] if c.get("url") == decision.get("prefill_worker")), None)
+        if chosen and chosen.get("est_ms") and decision.get("measured_ms") is not None:
+            ratios.append(decision["measured_ms"] / chosen["est_ms"])
+    return statistics.median(ratios) if ratios else None
 
 
 def retention(samples: list, rows: list[dict]) -> dict | None:
@@ -242,15 +255,16 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
     turned = [s for s in summaries if s.get("turns")]
     if turned:
         lines += ["", "Turn by turn: TTFT p50 ms, and the prompt's tokens (means) served by the prefill worker's own "
-                  "prefix cache / fetched from a decode worker / computed; the router's choices:", "",
-                  "| point | turn | n | TTFT p50 | prompt | cached | fetched | computed | choices |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "prefix cache / fetched from a decode worker / computed; the router's choices, and its estimate "
+                  "of the chosen way's ms against what was measured (median measured / estimated):", "",
+                  "| point | turn | n | TTFT p50 | prompt | cached | fetched | computed | choices | measured / est. |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for s in turned:
             for t in s["turns"]:
                 choices = ", ".join(f"{k} {v}" for k, v in sorted(t["choices"].items()))
                 lines.append(f"| {s['label']} | {t['turn']} | {t['n']} | {fmt(t['ttft_p50'])} | "
                              f"{t['prompt_tokens']:.0f} | {t['cached_tokens']:.0f} | {t['fetched_tokens']:.0f} | "
-                             f"{t['computed_tokens']:.0f} | {choices} |")
+                             f"{t['computed_tokens']:.0f} | {choices} | {fmt(t.get('estimate_ratio'), '.2f')} |")
     if meta.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"[{name}]({name})" for name in meta["plots"])]
     slo = summaries[0]["goodput"] if summaries else {}

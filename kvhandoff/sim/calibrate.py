@@ -78,6 +78,7 @@ class Costs:
     link_bits_per_s: float | None = None     # the run's emulated link (its launch spec's +link=RATE), if any
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
+    computed_tokens: list[int] = field(default_factory=list)            # of each prompt, what its prefill computed
     prefill_spread: list[float] = field(default_factory=list)           # measured - fitted prefill window, ms
     step_spread: dict[str, list[float]] = field(default_factory=dict)    # decode worker URL -> TPOT / fitted
 
@@ -97,6 +98,14 @@ def load_run(run: Path) -> tuple[dict, list[dict]]:
 
 def phase(row: dict, name: str) -> float | None:
     return ((row.get("handoff") or {}).get("phases_ms") or {}).get(name)
+
+
+def computed_tokens(row: dict) -> int:
+    """The prompt tokens its prefill worker computed: not those its own prefix cache served
+    (prefill_cached_tokens) nor those fetched from a decode worker (reused_tokens). At least one
+    is always computed (it yields the first token)."""
+    h = row.get("handoff") or {}
+    return max(1, row["prompt_tokens"] - (h.get("reused_tokens") or 0) - (h.get("prefill_cached_tokens") or 0))
 
 
 def usable(row: dict) -> bool:
@@ -169,7 +178,7 @@ def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
         sorted({r["handoff"]["prefill_worker"] for r in mine})
     decode = [w["url"] for w in workers if w.get("role") == "decode"] or \
         sorted({r["handoff"]["decode_worker"] for r in mine})
-    computed = [r["prompt_tokens"] - (r["handoff"].get("reused_tokens") or 0) for r in mine]
+    computed = [computed_tokens(r) for r in mine]
     mib = [(r["handoff"].get("bytes_transferred") or 0) / 2**20 for r in mine]
     sizes = batch_sizes(mine)
     steps = {}
@@ -196,9 +205,11 @@ def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
         first_token_ms={url: [max(0.0, x) for x in (v or typical)] for url, v in beyond.items()},
         prefill_spread=[phase(r, "prefill_compute") - prefill_ms(w) for r, w in zip(mine, work)],
         step_spread=spread,
-        kv_bytes_per_token=statistics.median((r["handoff"].get("bytes_transferred") or 0) / max(1, n)
-                                             for r, n in zip(mine, computed)),
+        # per prompt token, as the replay charges it (a decode worker's own prefix cache may have spared some)
+        kv_bytes_per_token=statistics.median((r["handoff"].get("bytes_transferred") or 0) / max(1, r["prompt_tokens"])
+                                             for r in mine),
         prefill_workers=prefill, decode_workers=decode,
         decode_policy=server.get("decode_policy", "fewest-in-flight"), late_binding=bool(server.get("late_binding")),
         poll_s=float(server.get("health_interval") or 1.0), link_bits_per_s=link_of(points[label].get("mode") or ""),
-        prompt_tokens=[r["prompt_tokens"] for r in mine], output_tokens=[r["output_tokens"] for r in mine])
+        prompt_tokens=[r["prompt_tokens"] for r in mine], output_tokens=[r["output_tokens"] for r in mine],
+        computed_tokens=computed)

@@ -20,7 +20,7 @@ import json
 import statistics
 from pathlib import Path
 
-from kvhandoff.sim.calibrate import Costs, fit, load_run, phase, usable
+from kvhandoff.sim.calibrate import Costs, computed_tokens, fit, load_run, phase, usable
 from kvhandoff.serve.netlink import LinkSpec
 from kvhandoff.sim.fleet import BINDINGS, POLICIES, Fleet, Job, Link, poisson_jobs
 
@@ -55,7 +55,7 @@ def reproduce(costs: Costs, rows: list[dict], seed: int = 0, layers: int = 30) -
     real = sorted((r for r in rows if r["point"] == costs.label and usable(r)), key=lambda r: r["sent_s"])
     simulated = []
     for k in range(REPLAYS):
-        jobs = [Job(i, r["sent_s"], r["prompt_tokens"], r["output_tokens"]) for i, r in enumerate(real)]
+        jobs = [Job(i, r["sent_s"], r["prompt_tokens"], r["output_tokens"], computed_tokens(r)) for i, r in enumerate(real)]
         simulated += Fleet(costs, len(costs.prefill_workers), len(costs.decode_workers), seed=seed + k,
                            link=Link(costs.link_bits_per_s, costs.mode == "push-layerwise", layers)).run(jobs)
     out = {}
@@ -79,7 +79,8 @@ def scaled(costs: Costs, args) -> list[dict]:
                 for policy in args.policies:
                     for binding in args.bindings:
                         fleet = Fleet(costs, args.prefill, args.decode, policy, binding, args.poll_s, args.seed, link)
-                        done = fleet.run([Job(j.index, j.arrival_s, j.prompt_tokens, j.output_tokens) for j in jobs])
+                        done = fleet.run([Job(j.index, j.arrival_s, j.prompt_tokens, j.output_tokens, j.computed_tokens)
+                                          for j in jobs])
                         points.append({"link": link_name, "output_cv": cv, "rate": rate, "policy": policy,
                                        "binding": binding, **measures(done, args)})
     return points

@@ -51,6 +51,7 @@ class Job:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    computed_tokens: int | None = None  # what its prefill computes (the rest was cached or fetched); None: all
     prefill: int = -1
     decode: int = -1
     moved_from: int | None = None
@@ -62,6 +63,10 @@ class Job:
     steps_left: int = 0
     tpot_scale: float = 1.0
     to_prefill: int = 0
+
+    def __post_init__(self):
+        if self.computed_tokens is None:
+            self.computed_tokens = self.prompt_tokens
 
     def report(self, costs: Costs) -> dict:
         tpot = (self.end - self.first_token) / (self.output_tokens - 1) if self.output_tokens > 1 else None
@@ -196,7 +201,7 @@ class Fleet:
         self.at(self.now + self.costs.admission_ms / 1e3, self.admitted, job)
 
     def admitted(self, job: Job) -> None:
-        job.to_prefill = max(1, job.prompt_tokens)
+        job.to_prefill = max(1, job.computed_tokens)
         self.prefill_queues[job.prefill].append(job)
         self.start_prefill(job.prefill)
 
@@ -208,7 +213,7 @@ class Fleet:
         for job in self.prefill_queues[p]:
             if budget <= 0:
                 break
-            if job.to_prefill == max(1, job.prompt_tokens):
+            if job.to_prefill == max(1, job.computed_tokens):
                 job.prefill_start = self.now
             take = min(budget, job.to_prefill)
             chunks.append((job, take))
@@ -290,19 +295,20 @@ class Fleet:
 
 
 def poisson_jobs(costs: Costs, rate: float, count: int, seed: int, output_cv: float | None = None) -> list[Job]:
-    """`count` arrivals at `rate` per second, lengths drawn from the calibration run's (with its pairs);
-    with `output_cv`, output lengths are drawn instead from a lognormal of the run's mean output length
-    and that coefficient of variation (0: all equal; 2: heavy-tailed, a few answers many times the mean),
-    from a generator of their own: every spread gets the same arrivals and prompts."""
+    """`count` arrivals at `rate` per second, lengths drawn from the calibration run's (a request's
+    prompt, computed and output lengths together); with `output_cv`, output lengths are drawn instead
+    from a lognormal of the run's mean output length and that coefficient of variation (0: all equal;
+    2: heavy-tailed, a few answers many times the mean), from a generator of their own: every spread
+    gets the same arrivals and prompts."""
     rng, lengths = random.Random(seed), random.Random(f"{seed}-outputs")
-    pairs = list(zip(costs.prompt_tokens, costs.output_tokens))
+    lengths_seen = list(zip(costs.prompt_tokens, costs.computed_tokens or costs.prompt_tokens, costs.output_tokens))
     mean = statistics.fmean(costs.output_tokens)
     sigma = math.sqrt(math.log(1 + output_cv ** 2)) if output_cv else 0.0
     t, jobs = 0.0, []
     for i in range(count):
-        prompt, output = rng.choice(pairs)
+        prompt, computed, output = rng.choice(lengths_seen)
         if output_cv is not None:
             output = max(2, round(lengths.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma)))
-        jobs.append(Job(i, t, prompt, output))
+        jobs.append(Job(i, t, prompt, output, computed))
         t += rng.expovariate(rate)
     return jobs

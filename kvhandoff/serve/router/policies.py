@@ -113,6 +113,9 @@ def queued_prefill_tokens(worker: Worker) -> int:
     return max(int(worker.last_health.get("num_tokens_to_prefill") or 0), worker.tokens_in_flight)
 
 
+DEFAULT_REUSE_RATES = CostModel().rates()      # a prefill worker's before it has measured any
+
+
 def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, history: list[str], floor: int) -> dict:
     """One prefill worker's way to a prompt whose history (`history`, block hashes) a decode worker
     retains: compute past its own cached prefix, or fetch what it lacks of the history and compute the
@@ -123,7 +126,7 @@ def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, histo
     bs, limit = facts.block_size, (facts.num_tokens - 1) // facts.block_size
     cached = min(index.cached_blocks(worker.url, facts.block_hashes), limit)
     fetchable = min(common_prefix_blocks(facts.block_hashes, history), limit)
-    rates = {**CostModel().rates(), **(worker.last_health.get("reuse_rates") or {})}
+    rates = {**DEFAULT_REUSE_RATES, **(worker.last_health.get("reuse_rates") or {})}
     prefill = PrefillCost.from_rates(rates)
     # The queue's prompts are of unknown context: each taken at the cost of tokens from an empty cache.
     queued = queued_prefill_tokens(worker)
