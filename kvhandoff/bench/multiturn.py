@@ -2,7 +2,7 @@
 
     python -m kvhandoff.bench.multiturn [--model smollm2] [--mode push] [--conversations 3] [--turns 6]
         [--new-tokens 300] [--answer-tokens 64] [--think-s 1.0] [--prefix-caching off,on]
-        [--retention-ttl S] [--a-a] [--out DIR]
+        [--retention-ttl S] [--a-a] [--launches N] [--out DIR]
 
 For each prefill-side prefix-caching setting (off, as in the published experiment, and on, the real
 baseline), two stacks run side by side (`kvhandoff up --mode MODE`, prefill on core 0, decode on core
@@ -13,7 +13,9 @@ long (ignore_eos). Measured per turn: TTFT as the client sees it, the handoff's 
 reused tokens and reverse bytes; and every second the decode worker's retained bytes (/metrics) next
 to the bytes of the blocks its /health says are retained. Greedy answers of the two stacks must
 agree (correctness beside speed). Ratios come with a 95% bootstrap interval of their median: one
-request's TTFT moves by 10-20% here, so a 2% goal needs many conversations to be resolved at all.
+request's TTFT moves by 10-20% here, so a 2% goal needs many conversations to be resolved at all,
+and two identical stacks differ by a few percent per launch (`--a-a` measures it), which
+`--launches N` averages out by starting the pair N times.
 Tables to stdout, progress to stderr, every figure to DIR/multiturn.json.
 """
 from __future__ import annotations
@@ -63,18 +65,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--a-a", action="store_true",
                    help="control run: the 'on' stack runs without --bidirectional too, so its ratios show how far "
                         "two identical stacks differ here (the noise floor of the on/off ratios)")
+    p.add_argument("--launches", type=int, default=1,
+                   help="start the pair of stacks this many times, the conversations shared out among the launches "
+                        "(which stack starts first alternates): two identical stacks differ by a few percent per "
+                        "launch (see --a-a), and more launches average that out (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-multiturn"))
     args = p.parse_args(argv)
     args.prefix_caching = [s.strip() for s in args.prefix_caching.split(",") if s.strip()]
     if not set(args.prefix_caching) <= {"off", "on"} or not args.prefix_caching:
         p.error("--prefix-caching takes off, on or off,on")
+    if not 1 <= args.launches <= args.conversations:
+        p.error("--launches must be between 1 and --conversations")
     if len(os.sched_getaffinity(0)) < 2:
         p.error("needs two cores (prefill and decode one each)")
     return args
 
 
-def make_stacks(args, caching: str) -> dict[str, Stack]:
+def make_stacks(args, caching: str, launch: int = 0) -> dict[str, Stack]:
     prefill_args = [] if caching == "on" else ["--prefill-args=--no-prefix-caching"]
     stacks = {}
     ttl = [] if args.retention_ttl is None else ["--retention-ttl", str(args.retention_ttl)]
@@ -82,7 +90,7 @@ def make_stacks(args, caching: str) -> dict[str, Stack]:
     for name, extra in (("on", on), ("off", [])):
         label = f"prefix-{caching}-{'control' if args.a_a else 'bidir'}-{name}"
         stacks[name] = Stack(label, args.mode, "0,1", ["--model", args.model, *prefill_args, *extra],
-                             args.out / "logs" / f"{label}.log")
+                             args.out / "logs" / f"{label}-launch{launch}.log")
     return stacks
 
 
@@ -219,11 +227,43 @@ def print_summary(s: dict) -> None:
           "an interval wider than the goal's 2% means the run cannot tell)")
 
 
+async def play_launch(client: httpx.AsyncClient, args, caching: str, launch: int, conversations: range,
+                      registry: list[Stack]) -> tuple[list[dict], list[dict]]:
+    """Start the pair of stacks (which one starts first alternates by launch), play `conversations`
+    on both, stop them. Returns the turns and the retention samples."""
+    stacks = make_stacks(args, caching, launch)
+    registry.extend(stacks.values())
+    start_stacks(list(stacks.values())[::1 if launch % 2 == 0 else -1])
+    try:
+        model = stacks["on"].model_name()
+        probe = await stream_completion(client, stacks["off"].url, completion_body(
+            model, random_text(random.Random(-1), 400), 2))
+        words_per_token = 400 / probe.prompt_tokens
+        for stack in stacks.values():       # warm-up: first requests pay one-time costs
+            for n in (64, 1024):
+                await stream_completion(client, stack.url, completion_body(
+                    model, random_text(random.Random(f"warm{n}"), n), 4))
+        samples: list = []
+        stop = asyncio.Event()
+        sampler = asyncio.ensure_future(sample_retention(client, stacks["on"], samples, stop))
+        rows = []
+        for conv in conversations:
+            rows += await play(client, stacks, model, args, conv, words_per_token)
+        stop.set()
+        await sampler
+        # After the last turn: what is still retained, as reported and as held.
+        samples.append(await retained_bytes(client, stacks["on"]))
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+    return rows, samples
+
+
 async def amain(args, registry: list[Stack]) -> dict:
     report = {"meta": {"model": args.model, "mode": args.mode, "conversations": args.conversations,
                        "turns": args.turns, "new_tokens": args.new_tokens, "answer_tokens": args.answer_tokens,
                        "think_s": args.think_s, "retention_ttl": args.retention_ttl, "seed": args.seed,
-                       "a_a": args.a_a,
+                       "a_a": args.a_a, "launches": args.launches,
                        "git_commit": git_commit(), "cpu": cpu_model(),
                        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "pinning": "prefill core 0, decode core 1, 1 thread each; router unpinned"},
@@ -231,31 +271,12 @@ async def amain(args, registry: list[Stack]) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     async with httpx.AsyncClient(timeout=httpx.Timeout(connect=10, read=600, write=60, pool=None)) as client:
         for caching in args.prefix_caching:
-            stacks = make_stacks(args, caching)
-            registry.extend(stacks.values())
-            start_stacks(list(stacks.values()))
-            try:
-                model = stacks["on"].model_name()
-                probe = await stream_completion(client, stacks["off"].url, completion_body(
-                    model, random_text(random.Random(-1), 400), 2))
-                words_per_token = 400 / probe.prompt_tokens
-                for stack in stacks.values():       # warm-up: first requests pay one-time costs
-                    for n in (64, 1024):
-                        await stream_completion(client, stack.url, completion_body(
-                            model, random_text(random.Random(f"warm{n}"), n), 4))
-                samples: list = []
-                stop = asyncio.Event()
-                sampler = asyncio.ensure_future(sample_retention(client, stacks["on"], samples, stop))
-                rows = []
-                for conv in range(args.conversations):
-                    rows += await play(client, stacks, model, args, conv, words_per_token)
-                stop.set()
-                await sampler
-                # After the last turn: what is still retained, as reported and as held.
-                samples.append(await retained_bytes(client, stacks["on"]))
-            finally:
-                for stack in stacks.values():
-                    stack.stop()
+            rows, samples = [], []
+            for launch in range(args.launches):
+                conversations = range(launch, args.conversations, args.launches)
+                got_rows, got_samples = await play_launch(client, args, caching, launch, conversations, registry)
+                rows += got_rows
+                samples += got_samples
             summary = summarize(rows, caching, args.turns)
             print_summary(summary)
             report["runs"].append(summary)
