@@ -120,7 +120,7 @@ async def sample_retention(client: httpx.AsyncClient, stack: Stack, into: list, 
 @dataclass
 class Conversation:
     """One conversation as one stack sees it: the same new text each turn on every stack, its own
-    answers appended (greedy answers agree across stacks, which summarize checks)."""
+    answers appended (greedy answers should agree across stacks: summarize counts those that do)."""
     stack: Stack
     index: int
     new_texts: list[str]
