@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvhandoff.config import EngineConfig, ModelNotFound
 from kvhandoff.handoff import modes
+from kvhandoff.handoff.config import REUSE_POLICIES
 from kvhandoff.handoff.modes import COLOCATED, Mode
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -24,7 +25,6 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # not import the router's web stack; a test keeps them equal).
 DECODE_POLICIES = ("fewest-in-flight", "round-robin", "load")
 PREFILL_POLICIES = ("fewest-in-flight", "cache-aware")
-REUSE_POLICIES = ("cost", "always")      # prefill: fetch when the cost model says so, or whenever above the floor
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:

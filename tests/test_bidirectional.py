@@ -146,6 +146,10 @@ def test_recompute_cost_grows_with_the_context_it_attends_to():
     assert (long.decision, n_long) == ("fetched", 124) and long.est_recompute_ms > long.est_fetch_ms
     # No fixed cost in a recompute estimate: the prefill runs for the new input anyway.
     assert short.est_recompute_ms == pytest.approx(128 / 1e3 * 100 + 128 * (64 + 64) / 1e6 * 100, rel=1e-3)
+    # What the router rebuilds from a worker's /health is the same model; missing fields are the defaults.
+    reported = CostModel.from_rates(model.rates())
+    assert reported.prefill == model.prefill and reported.fetch_s(4096) == pytest.approx(model.fetch_s(4096))
+    assert CostModel.from_rates({}).prefill == PrefillCost() and CostModel.from_rates({}).fetch_s(0) == 0.02
 
 
 def test_prefill_cost_fit_recovers_its_terms():

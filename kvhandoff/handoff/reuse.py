@@ -246,14 +246,6 @@ class PrefillCost:
         return {"prefill_fixed_ms": round(self.fixed_ms, 3), "prefill_ms_per_ktok": round(self.ms_per_ktok, 3),
                 "prefill_ms_per_ktok_kctx": round(self.ms_per_ktok_kctx, 3)}
 
-    @classmethod
-    def from_rates(cls, rates: dict) -> PrefillCost:
-        """What a worker reported in /health (missing fields: the defaults)."""
-        default = cls()
-        return cls(float(rates.get("prefill_fixed_ms", default.fixed_ms)),
-                   float(rates.get("prefill_ms_per_ktok", default.ms_per_ktok)),
-                   float(rates.get("prefill_ms_per_ktok_kctx", default.ms_per_ktok_kctx)))
-
 
 def fit_prefill_cost(observed: list[tuple[int, int, float]], prior: PrefillCost, prior_weight: float = 0.01) -> PrefillCost:
     """Least squares of PrefillCost over (tokens, context, ms) observations, no coefficient negative,
@@ -337,6 +329,17 @@ class CostModel:
         with self._lock:
             return {**self.prefill.rates(), "reverse_bps": round(self.bandwidth_bps),
                     "fetch_overhead_ms": round(self.fetch_overhead_s * 1e3, 3), **self.measured}
+
+    @classmethod
+    def from_rates(cls, rates: dict) -> CostModel:
+        """The model a worker reported (`rates()` in its /health), for the router's estimates; what
+        it left out (nothing measured yet, an older worker) stays at the defaults."""
+        default = cls()
+        prefill = PrefillCost(float(rates.get("prefill_fixed_ms", default.prefill.fixed_ms)),
+                              float(rates.get("prefill_ms_per_ktok", default.prefill.ms_per_ktok)),
+                              float(rates.get("prefill_ms_per_ktok_kctx", default.prefill.ms_per_ktok_kctx)))
+        return cls(float(rates.get("reverse_bps", default.bandwidth_bps)),
+                   float(rates.get("fetch_overhead_ms", default.fetch_overhead_s * 1e3)) / 1e3, prefill)
 
 
 def common_prefix_blocks(ours: list[str], theirs: list[str]) -> int:

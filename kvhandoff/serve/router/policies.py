@@ -49,7 +49,7 @@ import statistics
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvhandoff.handoff.reuse import CostModel, PrefillCost, common_prefix_blocks
+from kvhandoff.handoff.reuse import CostModel, common_prefix_blocks
 
 if TYPE_CHECKING:
     from kvhandoff.serve.router.pool import Worker
@@ -113,21 +113,18 @@ def queued_prefill_tokens(worker: Worker) -> int:
     return max(int(worker.last_health.get("num_tokens_to_prefill") or 0), worker.tokens_in_flight)
 
 
-DEFAULT_REUSE_RATES = CostModel().rates()      # a prefill worker's before it has measured any
-
-
 def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, history: list[str], floor: int) -> dict:
     """One prefill worker's way to a prompt whose history (`history`, block hashes) a decode worker
     retains: compute past its own cached prefix, or fetch what it lacks of the history and compute the
     rest, whichever it should finish first (ms, its queue included). At least one prompt token is
     always computed (it yields the first output token). Costs at the rates it reports (`reuse_rates`
-    in /health: handoff.reuse.PrefillCost's fit, reverse-read bandwidth and fixed cost; the
-    CostModel's defaults before it has measured any)."""
+    in /health: handoff.reuse.CostModel's prefill cost, reverse-read bandwidth and fixed cost; its
+    defaults before the worker has measured any)."""
     bs, limit = facts.block_size, (facts.num_tokens - 1) // facts.block_size
     cached = min(index.cached_blocks(worker.url, facts.block_hashes), limit)
     fetchable = min(common_prefix_blocks(facts.block_hashes, history), limit)
-    rates = {**DEFAULT_REUSE_RATES, **(worker.last_health.get("reuse_rates") or {})}
-    prefill = PrefillCost.from_rates(rates)
+    model = CostModel.from_rates(worker.last_health.get("reuse_rates") or {})
+    prefill = model.prefill
     # The queue's prompts are of unknown context: each taken at the cost of tokens from an empty cache.
     queued = queued_prefill_tokens(worker)
     queue_ms = prefill.ms(queued)
@@ -136,8 +133,7 @@ def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, histo
            "queued_tokens": queued, "est_compute_ms": round(compute_ms, 3),
            "option": "cache" if cached * bs >= floor else "recompute", "est_ms": compute_ms}
     if (fetchable - cached) * bs >= floor:
-        fetch_ms = rates["fetch_overhead_ms"] + (fetchable - cached) * int(worker.last_health.get("block_bytes") or 0) \
-            / rates["reverse_bps"] * 1e3
+        fetch_ms = model.fetch_s((fetchable - cached) * int(worker.last_health.get("block_bytes") or 0)) * 1e3
         with_fetch_ms = queue_ms + fetch_ms + prefill.ms(facts.num_tokens - fetchable * bs, fetchable * bs)
         row["est_fetch_ms"] = round(fetch_ms, 3)
         if with_fetch_ms < compute_ms:
