@@ -66,10 +66,15 @@ class PullPrefill(FetchingPrefill):
         """Engine thread: the prompt is computed; pin its blocks under the lease (unless the router
         gave up meanwhile: then they go straight back)."""
         self.reuse.finished(pin.fetch)
-        if out.finish_reason != "prefilled" or self.rt.table.get(pin.handoff_id) is not pin:
+        if out.finish_reason != "prefilled":
             self.rt.table.claim(pin.handoff_id, f"prefill ended: {out.error or out.finish_reason}", pin)
             return False
+        # Pin first, then look: a cancel that claimed the handoff before this saw nothing pinned (and
+        # aborted a request that had finished already), so the blocks go back here; one that claims it
+        # after sees the lease and releases them. (Looking first left a pin nobody would free.)
         pin.lease_expiry = time.monotonic() + self.rt.cfg.lease_s
+        if self.rt.table.get(pin.handoff_id) is not pin:
+            return False
         self.observe(out)
         self.rt.cfg.faults.reached("registered", pin.handoff_id)
         return True

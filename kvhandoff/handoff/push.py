@@ -152,11 +152,13 @@ class PushPrefill(FetchingPrefill):
         if out.finish_reason != "prefilled":
             self._end(job, out.error or f"prefill ended: {out.finish_reason}")
             return False
-        if self.rt.table.get(job.handoff_id) is not job:
-            return False                        # cancelled meanwhile: nobody will write these blocks
-        self.observe(out)
+        # Set first, then look (as pull's finished): whoever ended the job before this saw nothing
+        # prefilled, so the blocks go back here; whoever ends it after sees them and releases them.
         with job.lock:
             job.prefilled, job.prefilled_at = out, time.monotonic()
+        if self.rt.table.get(job.handoff_id) is not job:
+            return False                        # ended meanwhile: nobody will write these blocks
+        self.observe(out)
         self._keep_alive(job, job.prefilled_at, out.num_kv_tokens)
         self._maybe_start(job)
         return True
@@ -205,7 +207,8 @@ class PushPrefill(FetchingPrefill):
 
     def _maybe_start(self, job: PushJob) -> None:
         with job.lock:
-            if job.prefilled is None or job.registration is None or job.started:
+            if job.prefilled is None or job.registration is None or job.started or \
+                    self.rt.table.get(job.handoff_id) is not job:
                 return
             job.started, job.queued_at = True, time.monotonic()
         self.rt.writer.put(lambda: self._write(job), self.rt.cfg.faults.due())
@@ -266,11 +269,9 @@ class PushPrefill(FetchingPrefill):
     def cancel(self, job: PushJob) -> None:
         """The router or the decode side gave up. A job the writer has started ends with its WRITE
         (the blocks it reads from must stay pinned until then)."""
-        with job.lock:
-            if job.started:
+        with job.lock:          # (one lock with _maybe_start: a job is either started or claimed here)
+            if job.started or self.rt.table.claim(job.handoff_id, "cancelled", job) is None:
                 return
-        if self.rt.table.claim(job.handoff_id, "cancelled", job) is None:
-            return
         job.failed = "cancelled"
         if job.prefilled is not None:
             self.rt.release(job.handoff_id)
@@ -280,9 +281,11 @@ class PushPrefill(FetchingPrefill):
 
     def _end(self, job: PushJob, reason: str, status: int = 409) -> bool:
         """The prompt failed or was refused, or the decode side is gone: tell a registered decode
-        worker, wake the answer. A prompt that arrives later gets `status`."""
-        if self.rt.table.claim(job.handoff_id, reason, job, status) is None:
-            return False
+        worker, wake the answer. A prompt that arrives later gets `status`. A job the writer has
+        started ends with its WRITE instead."""
+        with job.lock:
+            if job.started or self.rt.table.claim(job.handoff_id, reason, job, status) is None:
+                return False
         job.failed = reason
         self.rt.notify(job.peer, M.Failed(handoff_id=job.handoff_id, reason=reason))
         job.finish()
