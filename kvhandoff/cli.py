@@ -45,6 +45,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="push modes: the decode worker picked at arrival may be replaced while the prompt is "
                         "still computed, if it has fallen behind (its expected wait over 1.5x the best other's); "
                         "the registration is withdrawn and made again there")
+    p.add_argument("--migration-limit", type=int, default=1, metavar="N",
+                   help="a stream whose decode worker fails (dies, breaks off, errs) after the client has tokens "
+                        "continues on another decode worker from the tokens sent, at most N times; 0 = never: it "
+                        "ends with an error event (default: %(default)s)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -151,6 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """One colocated instance: engine + OpenAI-compatible HTTP server."""
     setup_logging(args.log_level)
     log = logging.getLogger("kvhandoff.cli")
+    log.debug("serve options: %s", {k: v for k, v in vars(args).items() if k not in ("kv_secret", "func")})
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines and has no authentication",
                     args.host)
@@ -236,7 +241,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                               health_interval=args.health_interval, retry_colocated=args.retry_colocated,
                               bidirectional=args.bidirectional, decode_policy=args.decode_policy,
                               prefill_policy=args.prefill_policy, disagg_min_tokens=args.disagg_min_tokens,
-                              late_binding=args.late_binding)
+                              late_binding=args.late_binding, migration_limit=args.migration_limit)
     except ValueError as e:
         raise SystemExit(f"kvhandoff router: {e}")
     app = build_router_app(config)
@@ -296,7 +301,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                       (["--bidirectional"] if args.bidirectional else []) + \
                       (["--late-binding"] if args.late_binding else []) + \
                       ["--decode-policy", args.decode_policy, "--prefill-policy", args.prefill_policy,
-                       "--disagg-min-tokens", str(args.disagg_min_tokens), "--health-interval", str(args.health_interval)]
+                       "--disagg-min-tokens", str(args.disagg_min_tokens), "--health-interval", str(args.health_interval),
+                       "--migration-limit", str(args.migration_limit)]
         cfg = LaunchConfig(mode=args.mode, worker_args=worker_args, router_args=router_args,
                            prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),
                            num_prefill=args.prefill, num_decode=args.decode,

@@ -76,3 +76,23 @@ def tiny_server(tmp_path_factory):
     server.baseline = server.health()
     yield server
     server.stop()
+
+
+def prefill_answer(r: httpx.Response) -> tuple[dict | None, dict | None, dict | None]:
+    """A prefill worker's answer (JSON lines): (first token, handoff object, error), as a router reads it."""
+    import json
+    first = handoff = error = None
+    for line in r.text.splitlines():
+        message = json.loads(line)
+        first = message.get("first_token", first)
+        handoff = message.get("handoff", handoff)
+        error = message.get("error", error)
+    return first, handoff, error
+
+
+def prefill_handoff(r: httpx.Response) -> dict:
+    """The handoff object of a prefill answer that must have succeeded."""
+    assert r.status_code == 200, r.text
+    first, handoff, error = prefill_answer(r)
+    assert first is not None and handoff is not None and error is None, r.text
+    return handoff

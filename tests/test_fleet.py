@@ -369,6 +369,51 @@ def kill_mid_stream(stack: Proc, victim: str) -> list[tuple[int, str, str | None
     return streams.results()
 
 
+def check_survived(results: list, reference, victim: str) -> tuple[int, int]:
+    """Every stream complete with colocated's greedy text, those on the killed decode worker
+    continued elsewhere (`migrated`, naming it): (streams served whole by a survivor, migrated)."""
+    on_survivor = on_victim = 0
+    for (status, text, error, handoff), expected in zip(results, reference[TOKENS]):
+        assert (status, error, text) == (200, None, expected), (status, error, text, expected, handoff)
+        if handoff.get("migrated"):
+            (move,) = handoff["migrated"]
+            assert move["from"] == victim and victim in move["reason"] and 1 <= move["tokens_sent"] < TOKENS, move
+            assert handoff["decode_worker"] == move["to"] != victim, handoff
+            on_victim += 1
+        else:
+            assert handoff["decode_worker"] != victim, handoff
+            on_survivor += 1
+    return on_survivor, on_victim
+
+
+@pytest.mark.parametrize("migration_limit", [1, 0])
+def test_a_stream_outlives_its_decode_worker(tmp_path, reference, migration_limit):
+    """`kvhandoff up --prefill 1 --decode 2`, 16 streams, one decode worker SIGKILLed once every stream
+    has tokens: each of its streams continues on the other from the tokens it had sent (migration:
+    greedy tokens equal colocated's, `migrated` in the handoff object), and every pool settles. With
+    --migration-limit 0 they end as before migration existed: an error event naming the dead worker,
+    after a part of colocated's text."""
+    stack = up(tmp_path, "push", "--decode", "2", "--decode-args=--inject-faults step_ms=10",
+               "--migration-limit", str(migration_limit))
+    try:
+        victim = worker_urls(stack.url)["decode-1"]
+        results = kill_mid_stream(stack, "decode-1")
+        if migration_limit:
+            on_survivor, on_victim = check_survived(results, reference, victim)
+            assert on_survivor >= 1 and on_victim >= 1, (on_survivor, on_victim)
+            metrics = httpx.get(stack.url + "/metrics", timeout=10).text
+            assert f'kvhandoff_router_migrations_total{{mode="push"}} {float(on_victim)}' in metrics
+        else:
+            ended = [(text, error) for (_, text, error, _), expected in zip(results, reference[TOKENS])
+                     if error is not None and expected.startswith(text)]
+            assert ended and all(victim in error and text for text, error in ended), results
+            assert all(text == expected for (_, text, error, _), expected in zip(results, reference[TOKENS])
+                       if error is None)
+        settled(stack.url, timeout=40)
+    finally:
+        stack.stop()
+
+
 def recovers(stack: Proc, name: str, victim: str, reference) -> None:
     """After `name` (at `victim`) was killed: every new request is served meanwhile (by the others, or
     retried there), the victim is back within 60 s and gets requests again, and pools settle."""
@@ -393,14 +438,7 @@ def test_up_restarts_a_killed_decode_worker_gives_up_a_crash_loop_and_ends_with_
         urls = worker_urls(stack.url)
         victim = urls["decode-1"]
         results = kill_mid_stream(stack, "decode-1")
-        on_survivor = on_victim = 0
-        for (status, text, error, handoff), expected in zip(results, reference[TOKENS]):
-            if error is None:
-                assert status == 200 and text == expected, (status, text, expected)
-                on_survivor += handoff["decode_worker"] == urls["decode-0"]
-            else:                    # it was on the victim and had streamed tokens: a clear error naming it
-                assert status == 200 and victim in error, error
-                on_victim += 1
+        on_survivor, on_victim = check_survived(results, reference, victim)
         assert on_survivor >= 1 and on_victim >= 1, (on_survivor, on_victim)
         recovers(stack, "decode-1", victim, reference)
         assert re.search(r"decode-1 \(pid \d+.*\) exited with status -9; restarting it in 1 s", stack.text())

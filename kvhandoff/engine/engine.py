@@ -16,7 +16,8 @@ from kvhandoff.config import EngineConfig
 from kvhandoff.engine.block_pool import BlockPool, hash_chain
 from kvhandoff.engine.holds import Hold, Holdings
 from kvhandoff.engine.kv_connector import KVConnector, KVEvents
-from kvhandoff.engine.request import FinishReason, Request, RequestOutput, RequestState, RetainedKV, SamplingParams
+from kvhandoff.engine.request import (FinishReason, Request, RequestOutput, RequestState, Resume, RetainedKV,
+                                      SamplingParams)
 from kvhandoff.engine.runner import ModelRunner, kv_block_bytes
 from kvhandoff.engine.sampler import Sampler
 from kvhandoff.engine.scheduler import Scheduler
@@ -112,7 +113,7 @@ class LLMEngine:
         return self.pool.num_free
 
     # ---- requests ---------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, resume: Resume | None = None) -> None:
         """Raise ValueError, with what to fix, for a request this engine can never serve."""
         params.validate()
         if not prompt_token_ids:
@@ -121,6 +122,13 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if resume is not None:
+            bad = next((t for t in resume.output_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"resumed output token id {bad} is outside the vocabulary [0, {vocab})")
+            if not 0 < len(resume.output_token_ids) < params.max_tokens:
+                raise ValueError(f"a resumed generation needs between 1 and max_tokens - 1 ({params.max_tokens - 1}) "
+                                 f"tokens already generated, not {len(resume.output_token_ids)}")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -133,18 +141,24 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival: float | None = None, prefill_only: bool = False, retain: bool = False,
-                    remote_tokens: int = 0) -> Request:
+                    remote_tokens: int = 0, resume: Resume | None = None) -> Request:
         """Queue a request. `prefill_only`: compute the whole prompt's KV, sample the first token (so
         it comes from the same computation as colocated: same chunks, same rounding) and finish with
         reason "prefilled", the blocks held (Hold.PINNED) for the connector. `retain`: keep the KV
         after a normal finish (Hold.RETAINED). `remote_tokens`: the K/V of the first that many
         prompt tokens comes from another worker through the connector (the whole prompt: it comes
-        with the first token, and the request decodes; fewer: the rest is computed here)."""
+        with the first token, and the request decodes; fewer: the rest is computed here). `resume`: the
+        generation continues after tokens another worker produced (their K/V is computed here as the
+        prompt's is, as after a preemption)."""
         if request_id in self.requests or request_id in self.holds:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, resume)
         request = Request(request_id, list(prompt_token_ids), params, prefill_only=prefill_only, retain=retain,
                           remote_tokens=remote_tokens)
+        if resume is not None:
+            request.output_token_ids, request.emitted_chars = list(resume.output_token_ids), resume.emitted_chars
+            for _ in resume.output_token_ids:       # a seeded stream continues where the first worker was
+                self.sampler.skip(request)
         if arrival is not None:
             request.timings.arrival = arrival
         self.requests[request_id] = request
@@ -268,10 +282,18 @@ class LLMEngine:
         for request, token in zip(sampling, token_ids):
             if request.prefill_only:        # the KV and the first token go to a decode worker
                 request.timings.first_token = now
-                done.append(self._finish(request, FinishReason.PREFILLED, new_token_ids=[token]))
+                done.append(self._prefilled(request, token))
             else:
                 done.append(self._append_token(request, token, now))
         return done
+
+    def _prefilled(self, request: Request, token: int) -> RequestOutput:
+        """A prefill-only request's end: its first token, with the text colocated serving would
+        stream for it (the router sends it to the client at once; the decode worker, which appends
+        the same token to the same state, continues the text exactly after it)."""
+        request.output_token_ids.append(token)
+        new_text, _ = self._detokenize(request, final=self._stop_reason(request, token) is not None)
+        return self._finish(request, FinishReason.PREFILLED, new_token_ids=[token], new_text=new_text)
 
     def _apply(self, events: KVEvents) -> list[RequestOutput]:
         outputs = [self.kv_ready(e.request_id, e.first_token) for e in events.landed]
@@ -286,20 +308,25 @@ class LLMEngine:
         elif request.timings.second_token is None:
             request.timings.second_token = now
         request.output_token_ids.append(token)
-        params, n_out = request.params, len(request.output_token_ids)
-        reason = None
-        is_stop_token = token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
-        if is_stop_token and n_out >= params.min_tokens:
-            reason = FinishReason.STOP
-        elif n_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
+        reason = self._stop_reason(request, token)
         new_text, stopped = self._detokenize(request, final=reason is not None)
         if stopped:
             reason = FinishReason.STOP
         if reason is not None:
             return self._finish(request, reason, new_token_ids=[token], new_text=new_text)
         return RequestOutput(request.request_id, [token], new_text, False, None, request.num_prompt_tokens,
-                             n_out, request.num_cached_tokens)
+                             len(request.output_token_ids), request.num_cached_tokens)
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        """Does the token just appended end the request (a stop token, the length)? Stop strings are
+        the detokenizer's to find."""
+        params, n_out = request.params, len(request.output_token_ids)
+        is_stop_token = token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        if is_stop_token and n_out >= params.min_tokens:
+            return FinishReason.STOP
+        if n_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     def _detokenize(self, request: Request, final: bool) -> tuple[str, bool]:
         """New text to emit, and whether a stop string was found (text is cut before it).

@@ -16,7 +16,7 @@ from typing import Callable
 
 from kvhandoff.engine.engine import LLMEngine
 from kvhandoff.engine.holds import Hold
-from kvhandoff.engine.request import RequestOutput, SamplingParams
+from kvhandoff.engine.request import RequestOutput, Resume, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class _Submit:
     prefill_only: bool = False
     retain: bool = False
     remote_tokens: int = 0
+    resume: Resume | None = None
 
 
 @dataclass
@@ -66,12 +67,12 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                on_output: OutputCallback, prefill_only: bool = False, retain: bool = False,
-               remote_tokens: int = 0) -> None:
+               remote_tokens: int = 0, resume: Resume | None = None) -> None:
         """Queue a request (options as LLMEngine.add_request). Raises ValueError (a message for the
         client) if it can never be served."""
-        self.engine.validate(prompt_token_ids, params)     # reads only immutable engine facts
+        self.engine.validate(prompt_token_ids, params, resume)     # reads only immutable engine facts
         self._post(_Submit(request_id, list(prompt_token_ids), params, on_output, time.monotonic(), prefill_only,
-                           retain, remote_tokens))
+                           retain, remote_tokens, resume))
 
     def wake(self) -> None:
         """Any thread: something for the next step (the connector's finished transfers)."""
@@ -187,7 +188,7 @@ class EngineLoop:
         try:
             self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, arrival=item.arrival,
                                     prefill_only=item.prefill_only, retain=item.retain,
-                                    remote_tokens=item.remote_tokens)
+                                    remote_tokens=item.remote_tokens, resume=item.resume)
         except ValueError as exc:
             return _ended(item, "error", str(exc))
         return None

@@ -119,6 +119,15 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A generation continued from where another worker left it (request migration): the tokens
+    already sent to the client, and how much of their text was (the detokenizer's state), so the
+    next text is exactly what the first worker would have streamed."""
+    output_token_ids: list[int]
+    emitted_chars: int = 0
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request (streamed to the caller)."""

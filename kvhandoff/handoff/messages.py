@@ -21,8 +21,10 @@ from kvhandoff.handoff.modes import Mode
 # [layers, K/V, kv_heads, block_size, head_dim] (issue 12): same bytes per block, other meaning, so
 # a peer of version 2 must be refused rather than decode from K/V it misreads. 4: late-bound push
 # (issue 13): a registration names its binding, /kv/rebind moves a handoff, Withdrawn tells the
-# decode worker it was moved away from.
-PROTOCOL_VERSION = 4
+# decode worker it was moved away from. 5: the first token goes to the client from the prefill (issue
+# 24): a prefill answers a stream (FirstToken, then its handoff object), decode streams carry
+# EventNotes, and a decode worker can serve a request colocated or resume one (ColocatedParams).
+PROTOCOL_VERSION = 5
 PROTOCOL = f"kvhandoff-handoff/{PROTOCOL_VERSION}"     # the transfer agents' handshake compares it
 Role = Literal["prefill", "decode"]
 ROLES = ("prefill", "decode")
@@ -92,11 +94,12 @@ class PullHandoff(Message):
     prefill_cached_tokens: int = 0      # of the prompt, served by the prefill worker's own prefix cache
 
 
-class _Params(Message):
+class _Params(Message, kw_only=True):
     handoff_id: str
     mode: Mode
     role: Role
     protocol_version: int
+    created: int | None = None          # the `created` of every chunk the client gets (the router's clock)
 
 
 class PullPrefillParams(_Params):
@@ -121,7 +124,17 @@ class PushDecodeParams(_Params):
     supersedes: str | None = None
 
 
-KVParams = Union[PullPrefillParams, PushPrefillParams, PullDecodeParams, PushDecodeParams]
+class ColocatedParams(_Params):
+    """Router -> decode worker: compute this request here, with no handoff (selective
+    disaggregation, a failed prefill retried colocated), or continue one another decode worker
+    began (request migration: `resume_token_ids` were sent to the client already, and
+    `emitted_chars` of their text). The stream carries EventNotes like a handoff's."""
+    colocated: Literal[True] = True
+    resume_token_ids: list[int] = []
+    emitted_chars: int = 0
+
+
+KVParams = Union[PullPrefillParams, PushPrefillParams, PullDecodeParams, PushDecodeParams, ColocatedParams]
 _PARAMS = {(True, "prefill"): PullPrefillParams, (False, "prefill"): PushPrefillParams,
            (True, "decode"): PullDecodeParams, (False, "decode"): PushDecodeParams}
 
@@ -132,6 +145,10 @@ def parse_params(data) -> KVParams:
         raise MessageError("kv_transfer_params must be an object")
     head = parse(_Head, data, "kv_transfer_params")
     check_version(head.protocol_version, "the router")
+    if data.get("colocated") is not None:
+        if head.role != "decode":
+            raise MessageError("kv_transfer_params.colocated: only a decode worker computes requests colocated")
+        return parse(ColocatedParams, data, "kv_transfer_params")
     return parse(_PARAMS[head.mode.is_pull, head.role], data, "kv_transfer_params")
 
 
@@ -145,7 +162,7 @@ class _Head(msgspec.Struct):
 def params(handoff_id: str, mode: Mode, role: str, **fields) -> dict:
     """What the router puts into `kv_transfer_params`. (Not checked here: the router forwards what the
     prefill answered as `remote` untouched, and the worker checks everything.)"""
-    assert (mode.is_pull, role) in _PARAMS
+    assert (mode.is_pull, role) in _PARAMS and (role == "decode" or "colocated" not in fields)
     return {"handoff_id": handoff_id, "mode": mode.value, "role": role, "protocol_version": PROTOCOL_VERSION,
             **{k: v for k, v in fields.items() if v is not None}}
 
@@ -218,7 +235,70 @@ class PromptQuery(Message):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Worker -> router: the handoff objects in answers
+# Worker -> router: the prefill's streamed answer, the decode's event notes, the handoff objects
+
+class FirstToken(Message):
+    """A prefill's first line (JSON lines: this, then {"handoff": ...} or {"error": ...}): the first
+    token, sent the moment the prefill samples it. `sse` is what the client's stream begins with,
+    exactly as colocated serving streams it (a chat stream's role chunk; the token's chunk when the
+    detokenizer has text for it); the decode worker's stream continues after it."""
+    token_id: int
+    text: str
+    sse: str
+    phases_ms: Phases = {}              # prefill_queue, prefill_compute, and the worker's own time around them
+
+
+class PrefillLine(Message):
+    """One line of a prefill's answer: the first token, the handoff object, or the error that ended
+    the handoff after its first token (with the HTTP status it would have had)."""
+    first_token: FirstToken | None = None
+    handoff: dict | None = None
+    error: dict | None = None
+    status: int = 502
+
+
+# Per-request phases on the critical path of a disaggregated request's first token, in order; they
+# add up to the router's TTFT. The router measures its own and the hops; the prefill worker reports
+# the rest with its first token (FirstToken.phases_ms).
+TTFT_PHASES = ("router_dispatch", "prefill_hops", "prefill_request", "prefill_queue", "prefill_compute", "relay")
+
+EVENT_NOTE = ": kvh"
+
+
+class EventNote(msgspec.Struct):
+    """What a decode worker's SSE event carries for the router, as a comment line before its data
+    (`: kvh ids=1,2 chars=17 first`), so the router can follow a stream without parsing its JSON:
+    the token ids in the event, the characters of text emitted so far (the detokenizer's state, for
+    a migration), and tags: `head` (a chat stream's role chunk), `first` (the first token's chunk,
+    which the router may have sent from the prefill already), `final` (carries timings and the
+    handoff object: the router rewrites it)."""
+    ids: list[int]
+    chars: int
+    tags: frozenset = frozenset()
+
+    def line(self) -> str:
+        tags = "".join(f" {t}" for t in sorted(self.tags))
+        return f"{EVENT_NOTE} ids={','.join(map(str, self.ids))} chars={self.chars}{tags}\n"
+
+    @classmethod
+    def parse(cls, line: str) -> "EventNote | None":
+        """The note in an SSE comment line, or None if it is not one (or is malformed)."""
+        if not line.startswith(EVENT_NOTE):
+            return None
+        ids, chars, tags = None, None, set()
+        for part in line[len(EVENT_NOTE):].split():
+            key, _, value = part.partition("=")
+            try:
+                if key == "ids":
+                    ids = [int(t) for t in value.split(",") if t]
+                elif key == "chars":
+                    chars = int(value)
+                else:
+                    tags.add(key)
+            except ValueError:
+                return None
+        return None if ids is None or chars is None else cls(ids, chars, frozenset(tags))
+
 
 class PushPrefillAnswer(Message):
     handoff_id: str

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.handoff import messages as M
@@ -50,10 +51,13 @@ class PullPrefill(FetchingPrefill):
         rt.on(M.Renew, PullPin, self._renew)
         rt.every_tick(self._expire)
 
-    async def prefill(self, kv: M.PullPrefillParams, prompt_ids: list[int], params: SamplingParams) -> dict:
-        """Compute the prompt, pin its KV, answer the handoff object (the router's prefill leg)."""
+    async def prefill(self, kv: M.PullPrefillParams, prompt_ids: list[int], params: SamplingParams,
+                      on_first: Callable[[RequestOutput], None]) -> dict:
+        """Compute the prompt (its first token goes to `on_first` at once), pin its KV, answer the
+        handoff object (the router's prefill leg)."""
         pin = self.rt.table.add(kv.handoff_id, PullPin(kv.handoff_id))
         out, reuse_report = await self.compute(pin, kv, prompt_ids, params)
+        on_first(out)
         checksums = await self.rt.blocking(self.rt.checksums, out.kv_block_ids)
         return M.PullHandoff(
             handoff_id=kv.handoff_id, prefill_worker=self.rt.worker_name, prompt_token_ids=prompt_ids,
@@ -197,21 +201,3 @@ class PullDecode(DecodeSide):
                     now - (incoming.renewed_at or incoming.arrival) > self.rt.cfg.lease_s / 3:
                 incoming.renewed_at = now
                 self.rt.notify(incoming.peer, M.Renew(handoff_id=incoming.handoff_id))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Router leg
-
-async def route(attempt):
-    """The router's part: prefill first, then the decode worker picked with the load as it is now
-    (late binding) and sent the prefill's handoff object. A prefill worker failure (5xx, unreachable,
-    died) may be retried colocated on a decode worker (--retry-colocated)."""
-    attempt.prefill = attempt.pick("prefill")
-    try:
-        attempt.remote = await attempt.run_prefill()
-    except Exception as failure:
-        if not attempt.may_retry_colocated(failure):
-            raise
-        return await attempt.retry_colocated(failure)
-    attempt.decode = attempt.pick("decode", prefer=attempt.history_worker)
-    return await attempt.open_decode(remote=attempt.remote)

@@ -42,6 +42,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.handoff import messages as M
@@ -51,7 +52,6 @@ from kvhandoff.transfer.errors import TransferError
 
 MOVED = "handoff_moved"     # the error code of a registration refused because the handoff moved on
 log = logging.getLogger("kvhandoff.handoff")
-router_log = logging.getLogger("kvhandoff.router")      # the router leg's lines, in the router's log
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,11 +108,14 @@ class PushPrefill(FetchingPrefill):
         rt.on_peer_lost(self._peer_lost)
         rt.every_tick(self._housekeep)
 
-    async def prefill(self, kv: M.PushPrefillParams, prompt_ids: list[int], params: SamplingParams) -> dict:
-        """Compute the prompt, wait for its WRITE (or its failure), answer (the router's prefill leg)."""
+    async def prefill(self, kv: M.PushPrefillParams, prompt_ids: list[int], params: SamplingParams,
+                      on_first: Callable[[RequestOutput], None]) -> dict:
+        """Compute the prompt (its first token goes to `on_first` at once), wait for its WRITE (or its
+        failure), answer (the router's prefill leg)."""
         job = self.rt.table.get_or_add(kv.handoff_id, lambda: PushJob(kv.handoff_id))
         job.prompt_hash, job.layerwise = prompt_hash(prompt_ids), kv.mode.layerwise
         out, reuse_report = await self.compute(job, kv, prompt_ids, params)
+        on_first(out)
         await self._wait(job)
         if job.failed:
             raise HandoffError(job.failed, 502)
@@ -453,84 +456,3 @@ class PushDecode(DecodeSide):
 
     def ended_early(self, incoming: Incoming) -> None:
         self.rt.notify(incoming.peer, M.Cancel(handoff_id=incoming.handoff_id))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Router leg
-
-async def route(attempt):
-    """The router's part: the decode worker picked at arrival (early binding), both legs sent at once.
-    Before the decode answer starts, a prefill that refused the request (4xx, unreachable) ends it;
-    one that failed (5xx) may be retried colocated (--retry-colocated). A prefill that fails later is
-    reported to the decode worker (/kv/failed), which recomputes or fails by its policy."""
-    attempt.decode = attempt.pick("decode", prefer=attempt.history_worker)
-    attempt.prefill = attempt.pick("prefill")
-    attempt.prefill_task = asyncio.ensure_future(attempt.run_prefill(decode_url=attempt.decode.url))
-    attempt.prefill_task.add_done_callback(lambda task: _prefill_ended(attempt, task))
-    decode = asyncio.ensure_future(attempt.open_decode(prefill_url=attempt.prefill.url))
-    try:
-        if attempt.config.late_binding and attempt.history_worker is None:
-            decode = await late_bind(attempt, decode)
-        await asyncio.wait({attempt.prefill_task, decode}, return_when=asyncio.FIRST_COMPLETED)
-        failure = None if decode.done() else task_error(attempt.prefill_task)
-        if failure is not None and attempt.may_retry_colocated(failure):
-            decode.cancel()                 # closes the leg: the decode worker drops its reservation
-            await asyncio.wait({decode})
-            attempt.abandon("decode")
-            return await attempt.retry_colocated(failure)
-        if failure is not None and attempt.refused(failure):
-            raise failure
-        return await decode
-    finally:
-        if not decode.done():
-            decode.cancel()
-            await asyncio.wait({decode})
-
-
-async def late_bind(attempt, decode: asyncio.Task) -> asyncio.Task:
-    """Late binding (router --late-binding): until the prompt is computed, look at the decode worker
-    again after every health poll, and move the request once if it has fallen behind
-    (policies.late_binding_target): the prefill withdraws the registration (/kv/rebind, refused once
-    its WRITE started), then the decode leg goes to the new worker. Returns the decode leg to go on
-    with. (A turn whose history a decode worker retains stays with it: not called.)"""
-    router = attempt.router
-    while True:
-        polled = asyncio.ensure_future(router.pool.next_poll())
-        try:
-            await asyncio.wait({attempt.prefill_task, polled} | ({decode} if not decode.done() else set()),
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            polled.cancel()
-        if attempt.prefill_task.done() or task_error(decode) is not None:
-            return decode
-        if not polled.done() or polled.cancelled():
-            continue        # (the decode leg's answer began) only a poll brings news worth judging by
-        move = attempt.fallen_behind()
-        if move is None:
-            continue
-        target, here, there = move
-        refused = await attempt.rebind()
-        router.metrics.rebinds.labels(attempt.mode.value, "refused" if refused else "moved").inc()
-        if refused:
-            router_log.info("handoff %s: %s fell behind, but stays: %s", attempt.handoff_id, attempt.decode, refused)
-            return decode
-        router_log.info("handoff %s: %s fell behind (expected wait %.0f ms against %.0f); moved to %s",
-                        attempt.handoff_id, attempt.decode, here, there, target)
-        return await attempt.move_decode(target, decode)
-
-
-def _prefill_ended(attempt, task: asyncio.Task) -> None:
-    """A prefill leg that failed once both legs were out (a 5xx, or its connection broke) is
-    reported to decode at once (/kv/failed) instead of leaving it to --kv-timeout-s. A refusal, a
-    failure the router retries colocated, and a cancel of the router's own are not."""
-    failure = task_error(task)
-    if attempt.ended or task is not attempt.prefill_task or failure is None or attempt.refused(failure):
-        return
-    if attempt.may_retry_colocated(failure) and not attempt.decode_opened:
-        return
-    attempt.report_prefill_failure(failure)
-
-
-def task_error(task: asyncio.Task) -> BaseException | None:
-    """The exception a finished task ended with; None if it is running, cancelled or succeeded."""
-    return None if not task.done() or task.cancelled() else task.exception()

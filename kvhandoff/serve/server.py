@@ -16,7 +16,7 @@ import asyncio
 import time
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvhandoff.engine.request import RequestOutput, SamplingParams
+from kvhandoff.engine.request import RequestOutput, Resume, SamplingParams
+from kvhandoff.handoff import messages as M
 from kvhandoff.serve import protocol as P
 from kvhandoff.serve.metrics import CONTENT_TYPE, Metrics
 
@@ -65,9 +66,9 @@ class RequestStream:
         self.done = False          # final output consumed by us
         self.closed = False
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> "RequestStream":
+    def submit(self, prompt_ids: list[int], params: SamplingParams, resume: Resume | None = None) -> "RequestStream":
         try:
-            self.loop.submit(self.request_id, prompt_ids, params, self._on_output)
+            self.loop.submit(self.request_id, prompt_ids, params, self._on_output, resume=resume)
         except ValueError as e:       # the engine's message is written for the client
             raise P.APIError(400, str(e)) from None
         except RuntimeError as e:     # the engine loop is stopping
@@ -128,8 +129,10 @@ class Server:
                     pass
         self.in_flight += 1
 
-    async def prefill(self, kv, prompt_ids: list[int], params: SamplingParams) -> Response:
-        """Prefill side of a handoff: it holds a slot like any request, until its KV is handed over."""
+    async def prefill(self, kv, prompt_ids: list[int], params: SamplingParams,
+                      first_sse: Callable[[RequestOutput], str], started: float) -> Response:
+        """Prefill side of a handoff: it holds a slot like any request, until its KV is handed over
+        (the streamed answer's end)."""
         try:
             await self.admit()
         except P.APIError as exc:
@@ -138,9 +141,10 @@ class Server:
             self.handoff.refused(kv, exc.message)
             raise
         try:
-            return await self.handoff.prefill(kv, prompt_ids, params)
-        finally:
+            return await self.handoff.prefill(kv, prompt_ids, params, first_sse, started, on_close=self.leave)
+        except BaseException:
             self.leave()
+            raise
 
     def leave(self) -> None:
         assert self.in_flight > 0
@@ -201,6 +205,9 @@ class Server:
         try:
             if kv is None:
                 stream.submit(prompt_ids, params)
+            elif isinstance(kv, M.ColocatedParams):     # the router has it computed here, or continued
+                stream.submit(prompt_ids, params, Resume(kv.resume_token_ids, kv.emitted_chars)
+                              if kv.resume_token_ids else None)
             else:           # decode side of a handoff: the KV comes from a prefill worker
                 await self.handoff.submit_decode(kv, stream, prompt_ids, params)
         except BaseException:
@@ -253,55 +260,81 @@ class Server:
         return task.result() if task.done() and not task.cancelled() else None
 
     async def sse(self, stream: RequestStream, first: list[dict], chunk: Callable[[RequestOutput], dict],
-                  usage_chunk: dict | None, ids: TokenIds | None = None) -> AsyncIterator[str]:
+                  usage_chunk: dict | None, ids: TokenIds | None = None,
+                  notes: EventNotes | None = None) -> AsyncIterator[str]:
         """SSE body: `first` chunks, one chunk per engine output with text, the final chunk (with
         `timings`), then the usage chunk when asked for, then [DONE]. Closing early aborts. `ids`:
-        the client asked for token ids (each chunk carries those generated since the last one)."""
+        the client asked for token ids (each chunk carries those generated since the last one).
+        `notes`: the router asked (messages.EventNote before every event)."""
+        note = notes.note if notes else (lambda *tags, text="": "")
         try:
             for c in first:
-                yield sse_event(ids.first(c) if ids else c)
+                yield note("head") + sse_event(ids.first(c) if ids else c)
             async for out in stream:
                 if out.finished and out.finish_reason == "error":
-                    yield sse_event(P.error_body(f"generation failed: {out.error}", "server_error"))
+                    yield note("error") + sse_event(P.error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if ids:
                     ids.pending += out.new_token_ids
+                if notes:
+                    notes.pending += out.new_token_ids
                 if not out.finished and not out.new_text:
                     continue           # detokenizer held text back (partial UTF-8 or stop-string prefix)
+                if notes and notes.is_first(out) and out.finished:
+                    # The prefill sent this token's chunk as a non-final one: the same here (the router
+                    # drops it), then the end on its own.
+                    c = chunk(replace(out, finished=False, finish_reason=None))
+                    yield notes.note("first", text=out.new_text) + sse_event(ids.chunk(c) if ids else c)
+                    out = replace(out, new_text="", new_token_ids=[])
+                tags = ("first",) if notes and notes.is_first(out) else ()
                 c = ids.chunk(chunk(out)) if ids else chunk(out)
                 if out.finished:
                     c["timings"] = out.timings
                     if out.handoff is not None:
                         c["handoff"] = out.handoff
-                yield sse_event(c)
+                    tags += ("final",)
+                yield note(*tags, text=out.new_text) + sse_event(c)
                 if out.finished and usage_chunk is not None:
                     usage_chunk.update(usage=P.usage(out.num_prompt_tokens, out.num_output_tokens,
                                                      out.num_cached_tokens), timings=out.timings)
                     if out.handoff is not None:         # the last chunk carries it too
                         usage_chunk["handoff"] = out.handoff
-                    yield sse_event(usage_chunk)
+                    yield note("final") + sse_event(usage_chunk)
             yield "data: [DONE]\n\n"
         finally:                       # client disconnect cancels us here: abort frees the blocks
             self.release(stream)
 
     # -- endpoints ----------------------------------------------------------------------------------
-    async def respond(self, endpoint: "Endpoint", req, request: Request) -> Response:
+    async def respond(self, endpoint: "Endpoint", req, request: Request, started: float) -> Response:
         """/v1/completions and /v1/chat/completions: one path; `endpoint` builds the prompt and shapes
-        the answer."""
+        the answer. `started`: perf_counter when the request reached its route."""
         self.check_model(req.model)
         req.check_supported()
         kv, prompt_ids = self.kv_route(req, request, endpoint.prompt(self, req))
         params = req.sampling_params(endpoint.max_tokens(self, req, len(prompt_ids)))
+        rid = kv.handoff_id if kv else P.new_id(endpoint.id_prefix)
+        created, model = (kv.created if kv and kv.created else P.now()), self.info.served_name
+        chat = endpoint.path == CHAT
         if kv is not None and kv.role == "prefill":
-            return await self.prefill(kv, prompt_ids, params)
-        rid, created, model = (kv.handoff_id if kv else P.new_id(endpoint.id_prefix)), P.now(), self.info.served_name
+            def first_sse(out: RequestOutput) -> str:
+                """The client's stream up to and with the first token, as `sse` would send it."""
+                ids = TokenIds(prompt_ids, chat) if req.return_token_ids else None
+                events = [sse_event(ids.first(c) if ids else c) for c in endpoint.first_chunks(rid, created, model)]
+                if out.new_text:        # (none if the detokenizer holds its text back: neither does `sse`)
+                    if ids:
+                        ids.pending += out.new_token_ids
+                    c = endpoint.chunk(rid, created, model, replace(out, finished=False, finish_reason=None))
+                    events.append(sse_event(ids.chunk(c) if ids else c))
+                return "".join(events)
+            return await self.prefill(kv, prompt_ids, params, first_sse, started)
         stream = await self.open_stream(endpoint.path, rid, prompt_ids, params, kv)
         if req.stream:
             usage_chunk = ({"id": rid, "object": endpoint.chunk_object, "created": created, "model": model,
                             "choices": []} if req.include_usage else None)
-            ids = TokenIds(prompt_ids, endpoint.path == CHAT) if req.return_token_ids else None
+            ids = TokenIds(prompt_ids, chat) if req.return_token_ids else None
+            notes = None if kv is None else EventNotes.of(kv)
             body = self.sse(stream, endpoint.first_chunks(rid, created, model),
-                            lambda o: endpoint.chunk(rid, created, model, o), usage_chunk, ids)
+                            lambda o: endpoint.chunk(rid, created, model, o), usage_chunk, ids, notes)
             return SSEResponse(body, on_close=lambda: self.release(stream))
         result = await self.collect(stream, request)
         if result is None:
@@ -312,6 +345,31 @@ class Server:
         if req.return_token_ids:
             TokenIds(prompt_ids, endpoint.path == CHAT).answer(body, output_ids)
         return engine_failure(final) or JSONResponse(with_handoff(body, final))
+
+
+@dataclass
+class EventNotes:
+    """A stream the router follows (a request with kv_transfer_params): messages.EventNote before
+    every event, with the ids since the last one and the text emitted so far."""
+    handoff: bool                       # the first output is the token a prefill worker sampled
+    chars: int = 0
+    pending: list[int] = field(default_factory=list)
+    num_outputs: int = 0
+
+    @classmethod
+    def of(cls, kv) -> "EventNotes":
+        resumed = kv.emitted_chars if isinstance(kv, M.ColocatedParams) else 0
+        return cls(handoff=not isinstance(kv, M.ColocatedParams), chars=resumed)
+
+    def is_first(self, out: RequestOutput) -> bool:
+        """Is this output the first token of a handoff (the router may have sent it already)?"""
+        return self.handoff and out.num_output_tokens == 1 and bool(out.new_text)
+
+    def note(self, *tags: str, text: str = "") -> str:
+        self.chars += len(text)
+        line = M.EventNote(self.pending, self.chars, frozenset(tags)).line()
+        self.pending = []
+        return line
 
 
 @dataclass
@@ -434,12 +492,12 @@ def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response that runs `on_close` however it ends. The body generator's own
-    `finally` is not enough: if the client leaves before the body starts, the generator never runs."""
+class StreamingAnswer(StreamingResponse):
+    """A streamed response that runs `on_close` however it ends. The body generator's own `finally`
+    is not enough: if the client leaves before the body starts, the generator never runs."""
 
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(body, media_type="text/event-stream",
+    def __init__(self, body: AsyncIterator, media_type: str, on_close: Callable[[], None]):
+        super().__init__(body, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
 
@@ -448,6 +506,11 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
+
+
+class SSEResponse(StreamingAnswer):
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, "text/event-stream", on_close)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -561,11 +624,13 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo, max_in_flight: int | 
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):
-        return await srv.respond(COMPLETION, await parse_body(request, P.CompletionRequest), request)
+        started = time.perf_counter()
+        return await srv.respond(COMPLETION, await parse_body(request, P.CompletionRequest), request, started)
 
     @app.post(CHAT)
     async def chat_completions(request: Request):
-        return await srv.respond(CHAT_COMPLETION, await parse_body(request, P.ChatCompletionRequest), request)
+        started = time.perf_counter()
+        return await srv.respond(CHAT_COMPLETION, await parse_body(request, P.ChatCompletionRequest), request, started)
 
     @app.get("/v1/models")
     async def models():

@@ -7,21 +7,25 @@ names. It also gives the handoff its way to talk to other workers (HTTPControl) 
 """
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import AsyncIterator, Callable
+
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvhandoff.engine.block_pool import hash_chain
-from kvhandoff.engine.request import SamplingParams
+from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.handoff import messages as M
 from kvhandoff.handoff.connector import Connector
 from kvhandoff.handoff.reuse import lease_retained
 from kvhandoff.handoff.runtime import ControlClient, HandoffError
 from kvhandoff.serve import protocol as P
 from kvhandoff.serve.auth import check_control, control_headers
-from kvhandoff.serve.server import CHAT, RequestStream, Server, read_json_object
+from kvhandoff.serve.server import CHAT, RequestStream, Server, StreamingAnswer, read_json_object
 
 
 class HTTPControl(ControlClient):
@@ -94,13 +98,53 @@ class WorkerHandoff:
         return kv
 
     # ---- prefill side ---------------------------------------------------------------------------
-    async def prefill(self, kv: M.KVParams, prompt_ids: list[int], params: SamplingParams) -> JSONResponse:
+    async def prefill(self, kv: M.KVParams, prompt_ids: list[int], params: SamplingParams,
+                      first_sse: Callable[[RequestOutput], str], started: float,
+                      on_close: Callable[[], None]) -> Response:
+        """The prefill leg's answer, JSON lines: the first token the moment it is sampled
+        (messages.FirstToken: the router streams it to the client at once), then the handoff object
+        once the KV is pinned (pull) or written (push), or the error that ended the handoff. A
+        failure before the first token is an HTTP error status instead. `on_close` runs when the
+        answer is over, however it ends."""
+        aio = asyncio.get_running_loop()
+        first: asyncio.Future[RequestOutput] = aio.create_future()
+        task = asyncio.ensure_future(self.connector.prefill_side(kv.mode).prefill(
+            kv, prompt_ids, params, on_first=lambda out: first.done() or first.set_result(out)))
+        streaming = False
         try:
-            handoff = await self.connector.prefill_side(kv.mode).prefill(kv, prompt_ids, params)
-        except HandoffError as exc:
-            raise api_error(exc) from None
-        self._observe("prefill", handoff)
-        return JSONResponse({"handoff": handoff})
+            await asyncio.wait({first, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                try:
+                    task.result()
+                except HandoffError as exc:
+                    raise api_error(exc) from None
+                raise AssertionError("a prefill answered without its first token")
+            out = first.result()
+            t = out.timings or {}
+            phases = {"prefill_queue": t.get("queue_ms"), "prefill_compute": t.get("prefill_ms"),
+                      "prefill_worker": round((time.perf_counter() - started) * 1e3, 3)}
+            token = M.FirstToken(token_id=out.new_token_ids[0], text=out.new_text, sse=first_sse(out), phases_ms=phases)
+            line = b'{"first_token":' + M.encode(token) + b'}\n'
+            response = StreamingAnswer(self._answer(line, task), "application/x-ndjson", on_close=on_close)
+            streaming = True
+            return response
+        finally:
+            if not streaming and not task.done():
+                task.cancel()           # the router left: the side frees what it holds
+
+    async def _answer(self, first_line: bytes, task: asyncio.Task) -> AsyncIterator[bytes]:
+        try:
+            yield first_line
+            try:
+                handoff = await task
+            except HandoffError as exc:
+                yield M.encode({"error": api_error(exc).body()["error"], "status": exc.status}) + b"\n"
+                return
+            self._observe("prefill", handoff)
+            yield M.encode({"handoff": handoff}) + b"\n"
+        finally:
+            if not task.done():
+                task.cancel()           # the router hung up mid-answer: the side frees what it holds
 
     def refused(self, kv: M.KVParams, reason: str) -> None:
         """The prefill leg was refused before it started (backpressure): a registered decode worker

@@ -55,7 +55,7 @@ async def add_worker(router, request: Request) -> JSONResponse:
         worker = router.pool.add(role, url)
     except ValueError as e:
         raise P.APIError(409, str(e), param="url") from None
-    report = await router.pool.check(router.client, router.auth, worker)
+    report = await router.pool.check(router.upstream, worker)
     log.info("added %s (%s)", worker, "healthy" if worker.healthy else f"not healthy yet: {report.get('status')}")
     return JSONResponse({"worker": listing(worker), "health": report})
 

@@ -1,10 +1,10 @@
 """The router: an OpenAI-compatible front that sequences a prefill worker and a decode worker per request.
 
 It never touches KV (docs/HANDOFF.md). For every request it chooses one `handoff_id` (used on every
-side), runs the mode's router leg (handoff/pull.py or push.py: which workers, in what order), streams
-the decode worker's answer back as it arrives (relay.py), and merges what both workers report into one
+side), runs the mode's router leg (legs.py: which workers, in what order), streams the prefill's first
+token and then the decode worker's answer as they arrive (relay.py), and merges what both workers report into one
 `handoff` object (attempt.py). A worker that fails before the client saw a token is replaced once
-(retry.py); nothing outlives --request-timeout.
+(retry.py), one that fails after it is migrated from (relay.py); nothing outlives --request-timeout.
 """
 from __future__ import annotations
 
@@ -15,18 +15,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Awaitable
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvhandoff.handoff import pull, push
 from kvhandoff.handoff.modes import Mode
 from kvhandoff.serve import protocol as P
 from kvhandoff.serve.auth import control_headers
 from kvhandoff.serve.metrics import CONTENT_TYPE, LATENCY_BUCKETS
-from kvhandoff.serve.router import admin
+from kvhandoff.serve.router import admin, legs
 from kvhandoff.serve.router.attempt import Attempt, Phase, rewrite_final
 from kvhandoff.serve.router.errors import Relay, deadline_error, describe
 from kvhandoff.serve.router.policies import DecodePolicy, PrefillPolicy, uncached_tokens
@@ -35,6 +33,7 @@ from kvhandoff.serve.router.prefix import prompt_facts
 from kvhandoff.serve.router.relay import relay_events
 from kvhandoff.serve.router.retry import retry_elsewhere
 from kvhandoff.serve.router.sessions import Sessions
+from kvhandoff.serve.router.upstream import Upstream, UpstreamError
 from kvhandoff.serve.server import CHAT, COMPLETIONS, SSEResponse, read_json_object, wait_disconnect
 
 log = logging.getLogger("kvhandoff.router")
@@ -64,8 +63,11 @@ class RouterConfig:
     # decode worker, with no handoff (0 = every request is disaggregated).
     disagg_min_tokens: int = 0
     # Late-bound push: the decode worker picked at arrival may be replaced while the prompt is still
-    # being computed, if it has fallen behind (policies.late_binding_target; push.late_bind).
+    # being computed, if it has fallen behind (policies.late_binding_target; legs.late_bind).
     late_binding: bool = False
+    # A stream whose decode worker fails after the client has tokens continues on another decode worker
+    # from the tokens sent (relay.py), at most this many times; 0: it ends with an error event.
+    migration_limit: int = 1
 
     def __post_init__(self):
         self.mode = Mode.parse(self.mode) if not isinstance(self.mode, Mode) else self.mode
@@ -74,6 +76,8 @@ class RouterConfig:
         assert self.secret, "the router needs the deployment secret to talk to its workers"
         if self.disagg_min_tokens < 0:
             raise ValueError("--disagg-min-tokens must be >= 0")
+        if self.migration_limit < 0:
+            raise ValueError("--migration-limit must be >= 0 (0: no migration)")
         if self.late_binding and self.mode.is_pull:
             raise ValueError(f"--late-binding is for the push modes; {self.mode} picks the decode worker "
                              "after the prefill already")
@@ -101,6 +105,8 @@ class RouterMetrics:
         self.retries = Counter("kvhandoff_router_retries", "Requests retried once on other workers after a "
                                "worker failed them before their first token, by the failed worker's role",
                                ["mode", "role"], registry=r)
+        self.migrations = Counter("kvhandoff_router_migrations", "Streams continued on another decode worker "
+                                  "after theirs failed with the client holding tokens", ["mode"], registry=r)
         self.rebinds = Counter("kvhandoff_router_rebinds", "Late binding: requests moved to another decode "
                                "worker while their prompt was computed, or refused the move (WRITE started)",
                                ["mode", "outcome"], registry=r)
@@ -124,30 +130,25 @@ class Router:
         self.pool = WorkerPool(config.prefill_urls, config.decode_urls,
                                on_change=lambda w: self.metrics.in_flight.labels(w.role, w.url).set(w.in_flight),
                                decode_policy=config.decode_policy, prefill_policy=config.prefill_policy)
-        self.leg = pull.route if self.mode.is_pull else push.route
+        self.leg = legs.pull if self.mode.is_pull else legs.push
         self.auth = control_headers(config.secret)
-        self.client: httpx.AsyncClient | None = None
+        self.upstream: Upstream | None = None           # HTTP to the workers (upstream.py)
         self.background: set[asyncio.Task] = set()   # health polls, control messages, stream cleanups
         self.num_in_flight = 0                        # client requests not finished yet
         self.sessions = Sessions(self)
 
     async def start(self) -> None:
         # No read timeout: a long prefill or a long generation is not a failure; the request deadline
-        # (config.request_timeout) bounds everything instead. No pool cap: in-flight requests are bounded
-        # by the workers' queues, and a router that queued on its own pool would hide load from them.
-        # Idle connections are dropped well before the workers would close them (SERVER_KEEP_ALIVE_S).
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=self.config.connect_timeout, read=None, write=60.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=5.0))
-        logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per worker call and health poll
+        # (config.request_timeout) bounds everything instead.
+        self.upstream = Upstream(self.config.connect_timeout, self.auth)
         if self.config.health_interval > 0:
-            self.spawn(self.pool.poll(self.client, self.auth, self.config.health_interval))
+            self.spawn(self.pool.poll(self.upstream, self.config.health_interval))
 
     async def stop(self) -> None:
         for task in list(self.background):
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
-        await self.client.aclose()
+        await self.upstream.close()
 
     def spawn(self, coro: Awaitable) -> None:
         task = asyncio.ensure_future(coro)
@@ -158,8 +159,8 @@ class Router:
         """Fire-and-forget control message (/kv/cancel, /kv/release, /kv/failed, /kv/retained/release)."""
         async def send():
             try:
-                await self.client.post(worker.url + path, json=body, headers=self.auth, timeout=5.0)
-            except httpx.HTTPError as e:     # a worker known to be down: expected, not worth a warning each
+                await self.upstream.call("POST", worker.url + path, body, timeout=5.0)
+            except UpstreamError as e:      # a worker known to be down: expected, not worth a warning each
                 log.log(logging.WARNING if worker.healthy else logging.INFO, "handoff %s: %s on %s failed: %s",
                         body.get("handoff_id") or body.get("retention_id"), path, worker.url, describe(e))
         self.spawn(send())
@@ -173,7 +174,8 @@ class Router:
     # -- one request ----------------------------------------------------------------------------------
     async def handle(self, request: Request, endpoint: str) -> Response:
         loop = asyncio.get_running_loop()
-        attempt = Attempt(self, endpoint, False, time.perf_counter(), loop.time() + self.config.request_timeout)
+        arrival = request.scope.get("arrival") or time.perf_counter()
+        attempt = Attempt(self, endpoint, False, arrival, loop.time() + self.config.request_timeout)
         self.num_in_flight += 1                       # finish() takes it back, once per request
         try:
             attempt.body = await read_client_body(request)
@@ -207,13 +209,12 @@ class Router:
         leg = self.colocated_leg if self.short(attempt) else self.leg
         while True:
             try:
-                resp = await leg(attempt)
+                await leg(attempt)
                 if attempt.stream:
                     # finish() awaits (closing upstream), and SSEResponse calls on_close synchronously once
                     # the response is over, outside the cancel scope Starlette ends a stream with: a task.
-                    return SSEResponse(relay_events(attempt, resp, leg),
-                                       on_close=lambda: self.spawn(self.finish(attempt)))
-                data = await attempt.read_json(attempt.decode, resp)
+                    return SSEResponse(relay_events(attempt, leg), on_close=lambda: self.spawn(self.finish(attempt)))
+                data = await attempt.read_json(attempt.decode, await attempt.decode_task)
                 break
             except (Relay, P.APIError) as failure:
                 if not await retry_elsewhere(attempt, failure):
@@ -235,10 +236,12 @@ class Router:
         uncached = min(uncached_tokens(w, facts, self.pool.prefix) for w in self.pool.serving("prefill"))
         return uncached < threshold
 
-    async def colocated_leg(self, attempt: Attempt):
+    async def colocated_leg(self, attempt: Attempt) -> None:
         facts = attempt.facts
-        return await attempt.run_colocated(f"short prompt ({facts.num_tokens} tokens, fewer than "
-                                           f"--disagg-min-tokens {self.config.disagg_min_tokens} uncached)", "colocated")
+        attempt.decode_task = asyncio.ensure_future(attempt.run_colocated(
+            f"short prompt ({facts.num_tokens} tokens, fewer than --disagg-min-tokens "
+            f"{self.config.disagg_min_tokens} uncached)", "colocated"))
+        await attempt.decode_task
 
     def outcome(self, attempt: Attempt, work: asyncio.Task, client_gone: bool) -> Response:
         if work.cancelled():
@@ -279,7 +282,7 @@ class Router:
 
     # -- health and models ----------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
-        reports = await self.pool.check_all(self.client, self.auth)
+        reports = await self.pool.check_all(self.upstream)
         missing = self.pool.missing_roles()
         body = {"status": "error" if missing else "ok", "role": "router", "mode": self.mode.value,
                 "decode_policy": self.config.decode_policy.value, "prefill_policy": self.config.prefill_policy.value,
@@ -295,12 +298,15 @@ class Router:
         errors = []
         for worker in self.pool.decodes + self.pool.prefills:
             try:
-                resp = await self.client.get(worker.url + path, headers=self.auth, timeout=10.0)
-            except httpx.HTTPError as e:
+                resp = await self.upstream.open("GET", worker.url + path, timeout=10.0)
+                try:
+                    content = await resp.read()
+                finally:
+                    resp.close()
+            except UpstreamError as e:
                 errors.append(f"{worker.url}: {describe(e)}")
                 continue
-            return Response(resp.content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type", "application/json"))
+            return Response(content, status_code=resp.status, media_type=resp.content_type or "application/json")
         err = P.APIError(502, f"no worker answered {path} ({'; '.join(errors)})", type="server_error",
                          code="worker_unreachable")
         return JSONResponse(err.body(), status_code=502)
@@ -325,6 +331,19 @@ def session_of(request: Request, body: dict) -> str | None:
 # ---------------------------------------------------------------------------------------------------
 # App
 
+class ArrivalTime:
+    """Stamps every HTTP request as the server hands it to the app (perf_counter, scope["arrival"]):
+    a request's time at the router counts from there, routing and body parsing included."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope["arrival"] = time.perf_counter()
+        await self.app(scope, receive, send)
+
+
 def build_router_app(config: RouterConfig) -> FastAPI:
     router = Router(config)
 
@@ -337,6 +356,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="kvhandoff router", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(ArrivalTime)
     app.state.router = router
 
     @app.exception_handler(StarletteHTTPException)

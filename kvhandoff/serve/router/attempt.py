@@ -4,8 +4,9 @@ workers report, and the end that closes everything.
 
 A request lives through explicit phases (Phase): OPENING (legs going out), ANSWERING (the decode
 worker's answer is open, the client has no token yet: a failure can still be retried invisibly),
-STREAMING (the client saw a token: no retry any more), DRAINED (the answer was read to its end),
-ENDED (closed and counted). A retry on other workers starts a new attempt, with a new handoff id.
+STREAMING (the client saw a token: no retry any more; a failed decode worker is migrated from,
+relay.py), DRAINED (the answer was read to its end), ENDED (closed and counted). A retry on other
+workers starts a new attempt, with a new handoff id.
 
 Ownership of upstream connections: every response opened to a worker is recorded on the attempt
 and closed by `release_legs`, whichever way the request ends (done, worker error, client gone,
@@ -22,16 +23,16 @@ import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 
-import httpx
-
 from kvhandoff.handoff import messages as M
 from kvhandoff.handoff.config import ReuseConfig
+from kvhandoff.serve import protocol as P
 from kvhandoff.serve.router.errors import (Relay, WorkerFailure, describe, error_json, failure_message, refused,
                                            status_of, task_outcome, worker_failure)
 from kvhandoff.serve.router.policies import PrefillPolicy, late_binding_target, reuse_estimate
 from kvhandoff.serve.router.pool import Worker
 from kvhandoff.serve.router.prefix import PromptFacts
 from kvhandoff.serve.router.sessions import SessionEntry
+from kvhandoff.serve.router.upstream import Answer, Unreachable, UpstreamError
 
 log = logging.getLogger("kvhandoff.router")
 
@@ -80,7 +81,7 @@ class Attempt:
     decode: Worker | None = None
     prefill_task: asyncio.Task | None = None      # push: resolves to the prefill's handoff object
     remote: dict | None = None                    # pull: the prefill's handoff object (blocks pinned)
-    upstream: list[httpx.Response] = field(default_factory=list)
+    upstream: list[Answer] = field(default_factory=list)
     open_legs: set[str] = field(default_factory=set)      # roles sent a request whose answer we lack
     holding: list[Worker] = field(default_factory=list)   # in_flight counted on these
     retried: str | None = None                    # why the request was computed colocated on the decode worker
@@ -89,6 +90,15 @@ class Attempt:
     binding: int = 0                              # late binding: how often the decode leg was moved
     rebound_from: str | None = None               # ... and the decode worker it left
     route_decision: dict | None = None            # bidirectional + cache-aware: cache, fetch or recompute, and why
+    decode_task: asyncio.Task | None = None       # the decode worker's answer, opening (legs.py)
+    # The first token, from the prefill's answer (messages.FirstToken; None if its answer ended without
+    # one): the relay streams it to the client at once.
+    first_token: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    prefill_sent_ms: float | None = None          # arrival -> the prefill leg sent
+    first_received_ms: float | None = None        # arrival -> the prefill's first token here
+    created: int = field(default_factory=P.now)   # every chunk's `created`, whichever worker makes it
+    migrations: list[dict] = field(default_factory=list)   # decode workers the stream moved away from, and why
+    first_from_prefill: bool = False              # the client's first token came from the prefill's answer
 
     @property
     def config(self):
@@ -115,15 +125,34 @@ class Attempt:
         """No token has reached the client: a retry can still be invisible."""
         return self.phase in (Phase.OPENING, Phase.ANSWERING) and self.attempts == 1
 
+    @property
+    def first_sent(self) -> bool:
+        """The client has a token."""
+        return self.first_token_ms is not None
+
     def next_attempt(self) -> None:
         """Forget the abandoned attempt's legs: the retry is a new handoff with its own id."""
         self.attempts += 1
         self.handoff_id = uuid.uuid4().hex
-        self.prefill = self.decode = self.prefill_task = self.remote = self.merged = None
+        self.prefill = self.decode = self.prefill_task = self.remote = self.merged = self.decode_task = None
         self.upstream, self.open_legs, self.holding = [], set(), []
         self.retried, self.kv_source = None, "retried_colocated"
         self.binding, self.rebound_from, self.route_decision = 0, None, None
+        if not self.first_token.done():
+            self.first_token.set_result(None)
+        self.first_token = asyncio.get_running_loop().create_future()
+        self.prefill_sent_ms = self.first_received_ms = None
         self.phase = Phase.OPENING
+
+    async def answerable(self) -> None:
+        """Until the client can be answered: a stream once the first token is here (or, without one,
+        once the decode worker's answer opened), a whole answer once the decode answer opened. A leg
+        that failed first raises."""
+        if self.stream:
+            await asyncio.wait({self.first_token, self.decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if self.first_token.done() and self.first_token.result() is not None:
+                return
+        await self.decode_task
 
     # -- what the protocols' router legs call (handoff/pull.py, push.py) -----------------------------
     def pick(self, role: str, prefer: str | None = None) -> Worker:
@@ -151,19 +180,49 @@ class Attempt:
         return self.candidate.decode_url if self.candidate is not None else None
 
     async def run_prefill(self, **extra) -> dict:
-        """Run the prefill leg to its end; returns the prefill's handoff object."""
+        """Run the prefill leg to its end; returns the prefill's handoff object. Its first token
+        resolves `first_token` as soon as it is here."""
         worker = self.prefill
-        resp = await self.post(worker, self.worker_body("prefill", **extra))
-        data = await self.read_json(worker, resp)
+        first_token = self.first_token
+        try:
+            self.prefill_sent_ms = self.ms()
+            resp = await self.post(worker, self.worker_body("prefill", **extra))
+            if resp.content_type.startswith("application/x-ndjson"):
+                handoff = await self.read_prefill_lines(worker, resp)
+            else:       # one JSON answer: a worker that sends no first token (the relay waits for decode's)
+                handoff = (await self.read_json(worker, resp)).get("handoff")
+        finally:
+            if not first_token.done():
+                first_token.set_result(None)
         self.open_legs.discard("prefill")
         self.unhold(worker)
-        handoff = data.get("handoff")
         if not isinstance(handoff, dict):
             raise WorkerFailure(worker, f"the prefill worker {worker.url} answered without a handoff object; is "
                                 "it running with --role prefill?", "bad_worker_answer")
         return handoff
 
-    async def open_decode(self, **extra) -> httpx.Response:
+    async def read_prefill_lines(self, worker: Worker, resp: Answer) -> dict | None:
+        """The prefill's JSON lines: the first token (handed on at once), then the handoff object, or
+        the error that ended the handoff after its first token."""
+        try:
+            async for raw in resp.lines():
+                try:
+                    line = M.parse(M.PrefillLine, raw, "the prefill's answer")
+                except M.MessageError as exc:
+                    raise WorkerFailure(worker, f"the {worker} answered a malformed line: {exc}",
+                                        "bad_worker_answer") from None
+                if line.first_token is not None and not self.first_token.done():
+                    self.first_received_ms = self.ms()
+                    self.first_token.set_result(line.first_token)
+                elif line.error is not None:
+                    raise Relay(worker, line.status, {"error": line.error})
+                elif line.handoff is not None:
+                    return line.handoff
+        except UpstreamError as e:
+            raise worker_failure(worker, e) from None
+        return None
+
+    async def open_decode(self, **extra) -> Answer:
         """Send the decode leg; returns its open answer (status line read)."""
         self.decode_sent_ms = self.ms()
         resp = await self.post(self.decode, self.worker_body("decode", **extra))
@@ -175,22 +234,29 @@ class Attempt:
         worker's fault (5xx, unreachable, died), not the request's (4xx would fail there too)."""
         return self.config.retry_colocated and status_of(failure) >= 500
 
-    async def retry_colocated(self, failure: BaseException) -> httpx.Response:
+    async def retry_colocated(self, failure: BaseException) -> Answer:
         """Send the client's request, as it came, to the decode worker: it computes it colocated."""
         reason = failure_message(failure)
         log.warning("handoff %s: prefill failed (%s); retrying colocated", self.handoff_id, reason)
         return await self.run_colocated(f"prefill failed ({reason})", "retried_colocated")
 
-    async def run_colocated(self, why: str, kv_source: str) -> httpx.Response:
+    async def run_colocated(self, why: str, kv_source: str) -> Answer:
         """The client's request, as it came, to a decode worker, which computes it itself."""
         if self.decode is None:
             self.decode = self.pick("decode")
         self.retried, self.kv_source = f"{why}; computed colocated on {self.decode.url}", kv_source
         self.remote = None                  # nothing pinned to release
         self.decode_sent_ms = self.ms()
-        resp = await self.post(self.decode, self.body)
+        resp = await self.post(self.decode, self.worker_body("decode", colocated=True))
         self.phase = Phase.ANSWERING
         return resp
+
+    async def resume_on(self, worker: Worker, token_ids: list[int], emitted_chars: int) -> Answer:
+        """Migration: the client's request to `worker` (picked: held), continued after the tokens it
+        was sent (computed from the prompt if none)."""
+        self.decode = worker
+        resume = {"resume_token_ids": token_ids, "emitted_chars": emitted_chars} if token_ids else {}
+        return await self.post(worker, self.worker_body("decode", colocated=True, **resume))
 
     def refused(self, failure: BaseException | None) -> bool:
         return refused(failure)
@@ -209,12 +275,12 @@ class Attempt:
         the next binding's instead. None if it did; else why not (its WRITE has started, ...)."""
         body = {"handoff_id": self.handoff_id, "binding": self.binding + 1}
         try:
-            resp = await self.router.client.post(self.prefill.url + "/kv/rebind", json=body,
-                                                 headers=self.router.auth, timeout=5.0)
-        except httpx.HTTPError as e:
+            status, answer = await self.router.upstream.call("POST", self.prefill.url + "/kv/rebind", body, timeout=5.0)
+        except UpstreamError as e:
             return describe(e)
-        if resp.status_code != 200:
-            return (await error_json(self.prefill, resp)).get("error", {}).get("message") or str(resp.status_code)
+        if status != 200:
+            error = answer.get("error") if isinstance(answer, dict) else None
+            return (error.get("message") if isinstance(error, dict) else None) or str(status)
         self.binding += 1
         return None
 
@@ -226,7 +292,7 @@ class Attempt:
         if not leg.cancelled() and leg.exception() is None:
             resp = leg.result()
             self.upstream.remove(resp)
-            await resp.aclose()
+            resp.close()
         self.abandon("decode")
         self.unhold(self.decode)
         self.router.pool.hold(target, self.facts)
@@ -244,9 +310,10 @@ class Attempt:
     # -- talking to workers ---------------------------------------------------------------------------
     def worker_body(self, role: str, **extra) -> dict:
         bidirectional = self.config.bidirectional
+        extra["created"] = self.created
         if bidirectional and role == "prefill" and self.candidate is not None:
             extra["reuse"] = self.candidate.candidate()
-        if bidirectional and role == "decode":
+        if bidirectional and role == "decode" and not extra.get("colocated"):
             extra["retain"] = True
             if self.candidate is not None and self.candidate.decode_url == self.decode.url:
                 extra["supersedes"] = self.candidate.retention_id
@@ -255,30 +322,28 @@ class Attempt:
             body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
         return {**body, "kv_transfer_params": M.params(self.handoff_id, self.mode, role, **extra)}
 
-    async def post(self, worker: Worker, body: dict) -> httpx.Response:
-        """POST and return the open 200 response (body unread); any other answer raises Relay/APIError."""
-        client = self.router.client
-        request = client.build_request("POST", worker.url + self.endpoint, json=body, headers=self.router.auth)
+    async def post(self, worker: Worker, body: dict) -> Answer:
+        """POST and return the open 200 answer (body unread); any other answer raises Relay/APIError."""
         if self.router_ms is None:
             self.router_ms = self.ms()
         self.open_legs.add(worker.role)
         try:
-            resp = await client.send(request, stream=True)
-        except httpx.TransportError as e:
-            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+            resp = await self.router.upstream.open("POST", worker.url + self.endpoint, body)
+        except UpstreamError as e:
+            if isinstance(e, Unreachable):
                 self.open_legs.discard(worker.role)        # it never saw the request
             raise worker_failure(worker, e) from None
         self.upstream.append(resp)
-        if resp.status_code != 200:
+        if resp.status != 200:
             body = await error_json(worker, resp)
             self.open_legs.discard(worker.role)            # it answered: it holds nothing for us
-            raise Relay(worker, resp.status_code, body, resp.headers.get("retry-after"))
+            raise Relay(worker, resp.status, body, resp.retry_after)
         return resp
 
-    async def read_json(self, worker: Worker, resp: httpx.Response) -> dict:
+    async def read_json(self, worker: Worker, resp: Answer) -> dict:
         try:
-            data = json.loads(await resp.aread())
-        except httpx.TransportError as e:
+            data = json.loads(await resp.read())
+        except UpstreamError as e:
             raise worker_failure(worker, e) from None
         except ValueError:
             data = None
@@ -301,7 +366,11 @@ class Attempt:
         """Close this attempt's upstream answers and tell its workers to free what they hold for it
         (`drained`: the decode answer was read to its end)."""
         for resp in self.upstream:
-            await resp.aclose()
+            resp.close()
+        if self.decode_task is not None and not self.decode_task.done():
+            self.decode_task.cancel()
+        if self.decode_task is not None:
+            self.decode_task.add_done_callback(task_outcome)    # consume its exception: no warning
         if self.prefill_task is not None:
             if not self.prefill_task.done():
                 self.prefill_task.cancel()      # closes its connection: prefill aborts, frees its blocks
@@ -337,8 +406,14 @@ class Attempt:
         for name in PREFILL_FALLBACK_FIELDS:
             if merged.get(name) is None and prefill.get(name) is not None:
                 merged[name] = prefill[name]
-        merged.update(handoff_id=self.handoff_id, mode=self.mode.value, prefill_worker=self.prefill.url,
+        phases.update(self.ttft_phases())
+        merged.update(handoff_id=self.handoff_id, mode=self.mode.value,
+                      prefill_worker=self.prefill.url if self.prefill else None,
                       decode_worker=self.decode.url, phases_ms=phases, router_ms=self.router_ms)
+        if self.migrations:
+            merged["migrated"] = self.migrations
+        if self.first_token_ms is not None:         # (a stream: which answer its first token came from)
+            merged["first_token_source"] = "prefill" if self.first_from_prefill else "decode"
         if prefill_error:
             merged["prefill_error"] = prefill_error
         if self.rebound_from:
@@ -353,6 +428,24 @@ class Attempt:
         self.router.merged(self, merged)
         return merged
 
+    def ttft_phases(self) -> dict:
+        """The router's phases of the first token's critical path (messages.TTFT_PHASES, with the
+        prefill's queue and compute): arrival -> prefill leg sent; the hops there and back (the wait
+        for the first token less the prefill worker's own time); the worker's time outside its
+        queue and compute (parsing, tokenizing, admission, the answer); our relay to the client."""
+        first = self.first_token.result() if self.first_token.done() else None
+        if first is None or self.first_received_ms is None or self.prefill_sent_ms is None:
+            return {}
+        worker = first.phases_ms
+        spent = [worker.get(p) for p in ("prefill_worker", "prefill_queue", "prefill_compute")]
+        phases = {"router_dispatch": self.prefill_sent_ms}
+        if None not in spent:
+            phases["prefill_hops"] = round(self.first_received_ms - self.prefill_sent_ms - spent[0], 3)
+            phases["prefill_request"] = round(spent[0] - spent[1] - spent[2], 3)
+        if self.first_from_prefill and self.first_token_ms is not None:
+            phases["relay"] = round(self.first_token_ms - self.first_received_ms, 3)
+        return phases
+
     def retried_handoff(self) -> dict:
         """The handoff object of a request computed colocated (the decode worker answered a plain one):
         `kv_source` says why, and the field of that name how."""
@@ -364,6 +457,8 @@ class Attempt:
                            "phases_ms": dict.fromkeys(M.PHASES), "router_ms": self.router_ms}
             if self.retry_reason:
                 self.merged["retried_elsewhere"] = self.retry_reason
+            if self.migrations:
+                self.merged["migrated"] = self.migrations
         return self.merged
 
     def timings(self, worker_timings: dict | None) -> dict:
@@ -375,6 +470,8 @@ class Attempt:
         sent = self.decode_sent_ms or 0.0
         if self.first_token_ms is not None:
             ttft = self.first_token_ms
+        elif self.first_received_ms is not None:        # (a whole answer: the prefill's first token)
+            ttft = self.first_received_ms
         elif t.get("ttft_ms") is not None:
             ttft = sent + t["ttft_ms"]
         else:

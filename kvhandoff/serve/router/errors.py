@@ -4,9 +4,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
-
 from kvhandoff.serve import protocol as P
+from kvhandoff.serve.router.upstream import Answer, Unreachable, UpstreamError
 
 
 class WorkerFailure(P.APIError):
@@ -29,8 +28,8 @@ def status_of(failure: BaseException) -> int:
     return failure.status if isinstance(failure, (Relay, P.APIError)) else 500
 
 
-def worker_failure(worker, e: httpx.TransportError) -> WorkerFailure:
-    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+def worker_failure(worker, e: UpstreamError) -> WorkerFailure:
+    if isinstance(e, Unreachable):
         return WorkerFailure(worker, f"cannot reach the {worker}: {describe(e)}", "worker_unreachable")
     return WorkerFailure(worker, f"the {worker} failed mid-request: {describe(e)}", "worker_failed")
 
@@ -58,11 +57,11 @@ def describe(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-async def error_json(worker, resp: httpx.Response) -> dict:
+async def error_json(worker, resp: Answer) -> dict:
     """A worker's error body as OpenAI error JSON: as sent if it is one, wrapped otherwise."""
     try:
-        raw = await resp.aread()
-    except httpx.TransportError as e:
+        raw = await resp.read()
+    except UpstreamError as e:
         raw = f"(body lost: {describe(e)})".encode()
     try:
         data = json.loads(raw)
@@ -71,8 +70,8 @@ async def error_json(worker, resp: httpx.Response) -> dict:
     except ValueError:
         pass
     text = raw.decode(errors="replace").strip()[:300]
-    return P.error_body(f"the {worker} answered {resp.status_code}: {text}",
-                        "invalid_request_error" if resp.status_code < 500 else "server_error")
+    return P.error_body(f"the {worker} answered {resp.status}: {text}",
+                        "invalid_request_error" if resp.status < 500 else "server_error")
 
 
 def task_outcome(task: asyncio.Task) -> tuple[dict | None, str | None]:

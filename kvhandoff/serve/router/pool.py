@@ -7,11 +7,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-import httpx
-
 from kvhandoff.serve.router.errors import describe
 from kvhandoff.serve.router.policies import DecodePolicy, PrefillPolicy, ranking
 from kvhandoff.serve.router.prefix import PrefixIndex, PromptFacts
+from kvhandoff.serve.router.upstream import Upstream, UpstreamError
 
 
 def parse_urls(spec: str) -> list[str]:
@@ -156,28 +155,27 @@ class WorkerPool:
             workers.remove(worker)
 
     # -- health -----------------------------------------------------------------------------------
-    async def check(self, client: httpx.AsyncClient, headers: dict, worker: Worker) -> dict:
+    async def check(self, upstream: Upstream, worker: Worker) -> dict:
         try:
-            resp = await client.get(worker.url + "/health", headers=headers, timeout=2.0)
-            data = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
-            worker.healthy = resp.status_code == 200
+            status, data = await upstream.call("GET", worker.url + "/health", timeout=2.0)
+            worker.healthy = status == 200
             worker.last_health = data if isinstance(data, dict) else {}
             worker.routed_since_poll = 0
             worker.load = int(worker.last_health.get("num_running", 0)) + int(worker.last_health.get("num_waiting", 0))
             status = {"status": "ok" if worker.healthy else "error", **worker.last_health}
-        except (httpx.HTTPError, ValueError, TypeError) as e:   # TypeError: counts that are not numbers
+        except (UpstreamError, ValueError, TypeError) as e:   # TypeError: counts that are not numbers
             worker.healthy = False
             self.prefix.forget(worker.url)      # it may have died: whatever it had cached is gone
             status = {"status": "unreachable", "error": describe(e)}
         return {**status, "url": worker.url, "role": worker.role, "in_flight": worker.in_flight,
                 **({"draining": True} if worker.draining else {})}
 
-    async def check_all(self, client: httpx.AsyncClient, headers: dict) -> list[dict]:
-        return await asyncio.gather(*(self.check(client, headers, w) for w in self.workers))
+    async def check_all(self, upstream: Upstream) -> list[dict]:
+        return await asyncio.gather(*(self.check(upstream, w) for w in self.workers))
 
-    async def poll(self, client: httpx.AsyncClient, headers: dict, interval: float) -> None:
+    async def poll(self, upstream: Upstream, interval: float) -> None:
         while True:
-            await self.check_all(client, headers)
+            await self.check_all(upstream)
             polled, self._polled = self._polled, asyncio.Event()
             polled.set()
             await asyncio.sleep(interval)

@@ -15,7 +15,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import httpx
+from kvhandoff.serve.router.upstream import UpstreamError
 
 log = logging.getLogger("kvhandoff.router")
 DEFAULT_CAPACITY = 4096            # blocks remembered per worker until its /health says how many it has
@@ -60,10 +60,10 @@ async def prompt_facts(router, attempt) -> PromptFacts | None:
     cannot say: the request then goes by the other signals, and a bad request fails at the worker)."""
     worker = router.pool.least_loaded("prefill")
     try:
-        resp = await router.client.post(worker.url + "/kv/prompt", headers=router.auth, timeout=10.0,
-                                        json={"endpoint": attempt.endpoint, "request": attempt.body})
-        data = resp.json() if resp.status_code == 200 else {}
+        status, data = await router.upstream.call("POST", worker.url + "/kv/prompt",
+                                                  {"endpoint": attempt.endpoint, "request": attempt.body}, timeout=10.0)
+        data = data if status == 200 and isinstance(data, dict) else {}
         return PromptFacts(int(data["num_tokens"]), [str(h) for h in data["block_hashes"]], int(data["block_size"]))
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+    except (UpstreamError, ValueError, KeyError, TypeError) as e:
         log.debug("handoff %s: no prompt facts from %s (%s)", attempt.handoff_id, worker.url, e)
         return None
