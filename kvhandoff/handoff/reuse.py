@@ -287,7 +287,8 @@ class CostModel:
                  prefill: PrefillCost = PrefillCost()):
         # Defaults err towards recomputing: a slow link and a fast prefill, until measured.
         self.bandwidth_bps, self.fetch_overhead_s = bandwidth_bps, fetch_overhead_s
-        self.prefill = self.prior = prefill
+        self._prefill = self.prior = prefill
+        self._stale = False             # observations came since the last fit
         self.observed: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)
         self.measured = {"fetches": 0, "prefills": 0}
         self._lock = threading.Lock()
@@ -301,11 +302,22 @@ class CostModel:
             return
         with self._lock:
             self.observed.append((tokens, context, seconds * 1e3))
-            observed = list(self.observed)
+            self._stale = True
+            self.measured["prefills"] += 1
+
+    @property
+    def prefill(self) -> PrefillCost:
+        """The prefill cost fitted to the observations, refitted when read after new ones. (Fitting
+        where they are observed ran seven least-squares solves on the engine thread at the end of
+        every prefill, between its first token and the client: ~1 ms of each TTFT.)"""
+        with self._lock:
+            if not self._stale:
+                return self._prefill
+            observed, self._stale = list(self.observed), False
         fitted = fit_prefill_cost(observed, self.prior)
         with self._lock:
-            self.prefill = fitted
-            self.measured["prefills"] += 1
+            self._prefill = fitted
+        return fitted
 
     def observe_fetch(self, nbytes: int, transfer_s: float, total_s: float) -> None:
         if nbytes <= 0 or transfer_s <= 0:
@@ -326,8 +338,9 @@ class CostModel:
 
     def rates(self) -> dict:
         """What /health reports, for the router to weigh this worker's cache against a fetch."""
+        prefill = self.prefill          # (takes the lock itself)
         with self._lock:
-            return {**self.prefill.rates(), "reverse_bps": round(self.bandwidth_bps),
+            return {**prefill.rates(), "reverse_bps": round(self.bandwidth_bps),
                     "fetch_overhead_ms": round(self.fetch_overhead_s * 1e3, 3), **self.measured}
 
     @classmethod

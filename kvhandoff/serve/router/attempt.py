@@ -94,6 +94,9 @@ class Attempt:
     # The first token, from the prefill's answer (messages.FirstToken; None if its answer ended without
     # one): the relay streams it to the client at once.
     first_token: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # Set once the relay has dealt with the prefill's first token (sent it, or found no text to send):
+    # what can wait until the client has its token (pull's decode leg) waits for it.
+    first_relayed: asyncio.Event = field(default_factory=asyncio.Event)
     prefill_sent_ms: float | None = None          # arrival -> the prefill leg sent
     first_received_ms: float | None = None        # arrival -> the prefill's first token here
     created: int = field(default_factory=P.now)   # every chunk's `created`, whichever worker makes it
@@ -141,6 +144,7 @@ class Attempt:
         if not self.first_token.done():
             self.first_token.set_result(None)
         self.first_token = asyncio.get_running_loop().create_future()
+        self.first_relayed = asyncio.Event()
         self.prefill_sent_ms = self.first_received_ms = None
         self.phase = Phase.OPENING
 

@@ -33,6 +33,10 @@ async def _pull_decode(attempt: Attempt, prefill: asyncio.Task):
         if not attempt.may_retry_colocated(failure) or attempt.first_sent:
             raise               # (after the first token: the relay continues the request elsewhere)
         return await attempt.retry_colocated(failure)
+    if attempt.stream and attempt.first_token.result() is not None:
+        # The client's first token goes out before anything that can wait for it: building and sending
+        # the decode leg took the event loop ~0.5 ms between the prefill's answer and the client.
+        await attempt.first_relayed.wait()
     attempt.decode = attempt.pick("decode", prefer=attempt.history_worker)
     return await attempt.open_decode(remote=attempt.remote)
 

@@ -88,7 +88,10 @@ class Follow:
                     return
                 if text:
                     yield text
+                if kind == "first":
+                    attempt.first_relayed.set()
         finally:
+            attempt.first_relayed.set()
             if self.pending is not None:
                 self.pending.cancel()
 
