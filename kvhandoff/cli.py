@@ -16,23 +16,24 @@ import sys
 from pathlib import Path
 
 from kvhandoff.config import EngineConfig, ModelNotFound
-from kvhandoff.handoff import modes
-from kvhandoff.handoff.config import REUSE_POLICIES
-from kvhandoff.handoff.modes import COLOCATED, Mode
+from kvhandoff.wire import modes
+from kvhandoff.wire.cost import ReusePolicy
+from kvhandoff.wire.modes import COLOCATED, ROLES, DecodePolicy, FailurePolicy, Mode, PrefillPolicy
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-# The router's policies (kvhandoff/serve/router/policies.py; spelled out here so that `--help` need
-# not import the router's web stack; a test keeps them equal).
-DECODE_POLICIES = ("fewest-in-flight", "round-robin", "load")
-PREFILL_POLICIES = ("fewest-in-flight", "cache-aware")
+DECODE_POLICIES = tuple(p.value for p in DecodePolicy)
+PREFILL_POLICIES = tuple(p.value for p in PrefillPolicy)
+# transfer.agent.BACKENDS, spelled out so that a router's process never loads the transfer layer (a
+# test keeps them equal).
+KV_BACKENDS = ("auto", "shm", "tcp", "nixl")
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--decode-policy", default=DECODE_POLICIES[0], choices=DECODE_POLICIES,
+    p.add_argument("--decode-policy", default=DecodePolicy.FEWEST.value, choices=DECODE_POLICIES,
                    help="how the router picks a decode worker: fewest-in-flight (this router's requests on it), "
                         "round-robin, or load (its reported step time x the sequences it will step with); "
-                        "docs in kvhandoff/serve/router/policies.py (default: %(default)s)")
-    p.add_argument("--prefill-policy", default=PREFILL_POLICIES[0], choices=PREFILL_POLICIES,
+                        "docs in kvhandoff/router/policies.py (default: %(default)s)")
+    p.add_argument("--prefill-policy", default=PrefillPolicy.FEWEST.value, choices=PREFILL_POLICIES,
                    help="how the router picks a prefill worker: fewest-in-flight, or cache-aware (the longest "
                         "prefix it should have cached, weighed against its queued tokens) (default: %(default)s)")
     p.add_argument("--disagg-min-tokens", type=int, default=0, metavar="N",
@@ -96,12 +97,12 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("disaggregation (docs/HANDOFF.md)")
-    g.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+    g.add_argument("--role", default="both", choices=["both", *ROLES],
                    help="both: colocated; prefill/decode: one side of a handoff (default: %(default)s)")
     g.add_argument("--kv-secret", default=None,
                    help="deployment secret shared with the router and peers (prefer $KVHANDOFF_SECRET: "
                         "command lines are visible to other users)")
-    g.add_argument("--kv-backend", default="auto", choices=["auto", "shm", "tcp", "nixl"],
+    g.add_argument("--kv-backend", default="auto", choices=KV_BACKENDS,
                    help="KV transfer backend; auto: shm with same-host peers, tcp otherwise (default: %(default)s)")
     g.add_argument("--kv-host", default=None, help="address the KV agent listens on (default: --host)")
     g.add_argument("--kv-shm-dir", default="/dev/shm",
@@ -111,12 +112,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="pull: seconds prefill keeps a prompt's KV for the decode side (default: %(default)s)")
     g.add_argument("--kv-timeout-s", type=float, default=30.0,
                    help="push: seconds either side waits for the other (default: %(default)s)")
-    g.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+    g.add_argument("--kv-load-failure-policy", default="recompute", choices=[p.value for p in FailurePolicy],
                    help="decode side, when KV cannot be loaded or fails verification (default: %(default)s)")
     g.add_argument("--inject-faults", default=None, metavar="SPEC",
                    help="TESTING ONLY: make this worker's transfers fail or slow, its notifications vanish, or "
                         "kill it at a phase, e.g. read_fail, write_fail, slow_ms=300, drop=done+release, "
-                        "delay_ms=500, step_ms=200, kill_at=registered|transfer|decode (kvhandoff/handoff/faults.py)")
+                        "delay_ms=500, step_ms=200, kill_at=registered|transfer|decode (kvhandoff/worker/faults.py)")
     g = p.add_argument_group("bidirectional multi-turn reuse (with the router's --bidirectional)")
     g.add_argument("--bidirectional", action="store_true",
                    help="decode: keep each finished turn's KV for the conversation's next turn; prefill: read "
@@ -128,7 +129,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "requests always evict retained KV when they need blocks) (default: no cap of its own)")
     g.add_argument("--reuse-min-tokens", type=int, default=64,
                    help="prefill: never fetch fewer tokens than this (those its own prefix cache lacks) (default: %(default)s)")
-    g.add_argument("--reuse-policy", default="cost", choices=REUSE_POLICIES,
+    g.add_argument("--reuse-policy", default="cost", choices=[p.value for p in ReusePolicy],
                    help="prefill: fetch only when the cost model says it beats recomputing, or whenever above "
                         "the floor (default: %(default)s)")
 
@@ -161,16 +162,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     args.host)
     from kvhandoff.engine.engine import LLMEngine
     from kvhandoff.engine.loop import EngineLoop
-    from kvhandoff.serve.server import EngineInfo, build_app, serve_forever
+    from kvhandoff.wire.http import serve_forever
+    from kvhandoff.worker.server import EngineInfo, build_app
 
     agent = connector = None
     if args.role == "both":
         engine = LLMEngine(engine_config(args))
     else:
-        from kvhandoff.handoff.faults import Faults
-        from kvhandoff.handoff.messages import PROTOCOL
-        from kvhandoff.serve.auth import SECRET_ENV, resolve_secret
         from kvhandoff.transfer.agent import TransferAgent
+        from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
+        from kvhandoff.wire.messages import PROTOCOL
+        from kvhandoff.worker.faults import Faults
         secret = resolve_secret(args.kv_secret)
         if not secret:
             raise SystemExit(f"--role {args.role} needs the deployment secret: --kv-secret or ${SECRET_ENV}")
@@ -187,9 +189,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_in_flight = args.max_in_flight if args.max_in_flight > 0 else None
         app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model), max_in_flight, args.queue_wait_s)
         if agent is not None:
-            from kvhandoff.handoff.config import HandoffConfig, RetentionConfig, ReuseConfig
-            from kvhandoff.handoff.connector import Connector
-            from kvhandoff.serve.worker import WorkerHandoff, attach_worker_routes
+            from kvhandoff.wire.cost import ReuseConfig
+            from kvhandoff.worker.config import HandoffConfig, RetentionConfig
+            from kvhandoff.worker.connector import Connector
+            from kvhandoff.worker.handoff import WorkerHandoff, attach_worker_routes
             if faults.any:
                 log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)
             loop.step_delay_s = faults.step_ms / 1000
@@ -224,9 +227,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_router(args: argparse.Namespace) -> int:
     """The OpenAI-compatible front of a disaggregated deployment: sequences prefill and decode workers."""
     setup_logging(args.log_level)
-    from kvhandoff.serve.auth import SECRET_ENV, resolve_secret
-    from kvhandoff.serve.router import RouterConfig, build_router_app, parse_urls
-    from kvhandoff.serve.server import serve_forever
+    from kvhandoff.router import RouterConfig, build_router_app, parse_urls
+    from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
+    from kvhandoff.wire.http import serve_forever
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("kvhandoff.cli").warning(
@@ -287,8 +290,8 @@ def parse_cores(spec: str) -> list[int]:
 def cmd_up(args: argparse.Namespace) -> int:
     """Workers and router on this machine in one command; Ctrl-C stops them all. Unknown flags are
     passed to every worker."""
-    from kvhandoff.serve.launch import LaunchConfig, run
-    from kvhandoff.serve.netlink import LinkSpec
+    from kvhandoff.launch.netlink import LinkSpec
+    from kvhandoff.launch.supervisor import LaunchConfig, run
 
     if args.late_binding and not (args.mode != COLOCATED and Mode(args.mode).is_push):
         raise SystemExit(f"kvhandoff up: --late-binding is for the push modes, not {args.mode}")
@@ -332,7 +335,7 @@ def cmd_workers(args: argparse.Namespace) -> int:
     has and gets nothing new."""
     import httpx
 
-    from kvhandoff.serve.auth import SECRET_ENV, control_headers, resolve_secret
+    from kvhandoff.wire.auth import SECRET_ENV, control_headers, resolve_secret
 
     secret = resolve_secret(args.kv_secret)
     if not secret:
@@ -368,7 +371,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         add_policy_args(up_flags)
         for flag in ("--bidirectional", "--retry-colocated", "--no-prefix-caching"):
             up_flags.add_argument(flag, action="store_true")
-        up_flags.add_argument("--reuse-policy", choices=REUSE_POLICIES)
+        up_flags.add_argument("--reuse-policy", choices=[p.value for p in ReusePolicy])
         up_flags.add_argument("--link", type=link_rate)
         up_flags.add_argument("--retention-ttl", type=positive_float)
         try:
@@ -400,7 +403,7 @@ def positive_float(text: str) -> float:
 
 
 def link_rate(text: str) -> str:
-    from kvhandoff.serve.netlink import LinkSpec
+    from kvhandoff.launch.netlink import LinkSpec
     try:
         LinkSpec.parse(text)
     except ValueError as exc:
@@ -554,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=cmd_workers.__doc__)
     p.add_argument("action", choices=["list", "add", "remove"])
     p.add_argument("--router", default="http://127.0.0.1:8000", help="the router's URL (default: %(default)s)")
-    p.add_argument("--role", choices=["prefill", "decode"], help="add: the new worker's role")
+    p.add_argument("--role", choices=ROLES, help="add: the new worker's role")
     p.add_argument("--url", help="add/remove: the worker's base URL, e.g. http://127.0.0.1:8101")
     p.add_argument("--kv-secret", default=None, help="the deployment secret (prefer $KVHANDOFF_SECRET)")
     p.set_defaults(func=cmd_workers)
@@ -655,7 +658,7 @@ def _exit_on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvhandoff.serve.lifeline import hold
+    from kvhandoff.launch.lifeline import hold
     hold()                                   # a child of `kvhandoff up`: stop when it dies
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 
 from kvhandoff.bench import workload as W
-from kvhandoff.bench.harness import turns
 from kvhandoff.bench.command import launch_spec
 from kvhandoff.bench.demo import Calibration
-from kvhandoff.serve.netlink import LinkError, LinkSpec, check_available
+from kvhandoff.bench.harness import turns
+from kvhandoff.launch.netlink import LinkError, LinkSpec, check_available
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -157,7 +157,7 @@ def test_bench_launches_stacks_and_reports_phases(tmp_path):
     # What retention held and what it saved: sampled from the router while the point ran.
     kept = summary["points"][1]["retention"]
     assert kept["peak_mib"] > 0 and kept["gib_s"] > 0 and kept["turns_with_history"] == len(later), kept
-    fetched = sum(row["handoff"]["reuse_decision"]["decision"] == "fetched" for row in later)
+    fetched = sum(row["handoff"]["reuse_decision"]["decision"] == "fetch" for row in later)
     assert kept["hit_rate"] == fetched / len(later) and kept["reused_tokens"] == sum(
         row["handoff"].get("reused_tokens") or 0 for row in push), kept
     assert summary["points"][0]["retention"] is None          # colocated: nothing retained

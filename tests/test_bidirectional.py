@@ -19,10 +19,10 @@ from kvhandoff.engine.block_pool import hash_chain
 from kvhandoff.engine.engine import LLMEngine
 from kvhandoff.engine.holds import Hold
 from kvhandoff.engine.request import SamplingParams
-from kvhandoff.handoff.config import ReuseConfig
-from kvhandoff.handoff.messages import ReuseCandidate
-from kvhandoff.handoff.reuse import CostModel, PrefillCost, decide, fit_prefill_cost
-from kvhandoff.serve.router.sessions import SessionEntry, SessionMap
+from kvhandoff.router.sessions import SessionEntry, SessionMap
+from kvhandoff.wire.cost import CostModel, PrefillCost, decide, fit_prefill_cost
+from kvhandoff.wire.cost import ReuseConfig
+from kvhandoff.wire.messages import ReuseCandidate
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -104,25 +104,25 @@ def test_reuse_decisions():
     cfg = ReuseConfig()
     args = (len(prompt), hashes, candidate(history), 32, 720 * 1024)
     d, n = decide(cfg, slow_prefill, *args, locally_cached_blocks=0)
-    assert (d.decision, n) == ("fetched", 12) and d.est_fetch_ms < d.est_recompute_ms
+    assert (d.decision, n) == ("fetch", 12) and d.est_fetch_ms < d.est_recompute_ms
     d, n = decide(cfg, fast_prefill, *args, locally_cached_blocks=0)
-    assert (d.decision, n) == ("recomputed", 0) and "beats fetching" in d.reason
+    assert (d.decision, n) == ("recompute", 0) and "beats fetching" in d.reason
     d, n = decide(ReuseConfig(policy="always"), fast_prefill, *args, locally_cached_blocks=0)
-    assert (d.decision, n) == ("fetched", 12)
+    assert (d.decision, n) == ("fetch", 12)
     d, _ = decide(cfg, slow_prefill, *args, locally_cached_blocks=12)
-    assert d.decision == "none" and "prefix cache" in d.reason
+    assert d.decision == "cache" and "prefix cache" in d.reason
     d, _ = decide(ReuseConfig(min_tokens=500), slow_prefill, *args, locally_cached_blocks=0)
-    assert d.decision == "recomputed" and "floor" in d.reason
+    assert d.decision == "recompute" and "floor" in d.reason
     # The floor is on what would move: 11 of the 12 blocks cached here leave 32 tokens to fetch.
     d, n = decide(cfg, slow_prefill, *args, locally_cached_blocks=11)
-    assert (d.decision, n) == ("recomputed", 0) and "the 32 that would move are below the floor of 64" in d.reason
+    assert (d.decision, n) == ("recompute", 0) and "the 32 that would move are below the floor of 64" in d.reason
     d, n = decide(cfg, slow_prefill, *args, locally_cached_blocks=10)
-    assert (d.decision, n) == ("fetched", 12) and d.local_tokens == 320
+    assert (d.decision, n) == ("fetch", 12) and d.local_tokens == 320
     d, _ = decide(cfg, slow_prefill, len(prompt), hashes, candidate(history, expires_in_s=1.0), 32, 720 * 1024, 0)
-    assert d.decision == "recomputed" and "expires" in d.reason
+    assert d.decision == "recompute" and "expires" in d.reason
     edited = history[:100] + [7] + history[101:] + list(range(50, 90))       # changed inside block 3
     d, n = decide(cfg, slow_prefill, len(edited), hash_chain(edited, 32), candidate(history), 32, 720 * 1024, 0)
-    assert (d.decision, n) == ("fetched", 3) and "differs after token 96" in d.reason
+    assert (d.decision, n) == ("fetch", 3) and "differs after token 96" in d.reason
     other = list(range(2000, 2400))
     d, n = decide(cfg, slow_prefill, len(other), hash_chain(other, 32), candidate(history), 32, 720 * 1024, 0)
     assert (d.decision, n) == ("none", 0) and "edited" in d.reason
@@ -142,8 +142,8 @@ def test_recompute_cost_grows_with_the_context_it_attends_to():
 
     short, n_short = decide_after(2)
     long, n_long = decide_after(120)
-    assert (short.decision, n_short) == ("recomputed", 0) and short.est_recompute_ms < short.est_fetch_ms
-    assert (long.decision, n_long) == ("fetched", 124) and long.est_recompute_ms > long.est_fetch_ms
+    assert (short.decision, n_short) == ("recompute", 0) and short.est_recompute_ms < short.est_fetch_ms
+    assert (long.decision, n_long) == ("fetch", 124) and long.est_recompute_ms > long.est_fetch_ms
     # No fixed cost in a recompute estimate: the prefill runs for the new input anyway.
     assert short.est_recompute_ms == pytest.approx(128 / 1e3 * 100 + 128 * (64 + 64) / 1e6 * 100, rel=1e-3)
     # What the router rebuilds from a worker's /health is the same model; missing fields are the defaults.
@@ -240,7 +240,7 @@ def test_four_turns_reuse_the_history(mode, colocated, tmp_path):
             reports = conversation(up.url, colocated.url, 4, seed=len(mode) + (session is None), session=session)
             assert reports[0]["reuse_decision"]["decision"] == "none"
             for turn, report in enumerate(reports[1:], start=2):
-                assert report["reuse_decision"]["decision"] == "fetched", (turn, report["reuse_decision"])
+                assert report["reuse_decision"]["decision"] == "fetch", (turn, report["reuse_decision"])
                 assert report["reused_tokens"] >= 128 and report["reverse_bytes"] > 0, report
                 # The turn's decode worker still held the history: only the new blocks travelled.
                 assert report["decode_cached_tokens"] >= 128, report
@@ -256,7 +256,7 @@ def test_four_turns_reuse_the_history(mode, colocated, tmp_path):
         short = words(10, 50)                   # ~40 tokens: one full block
         answer = complete(up.url, short, "short")["choices"][0]["text"]
         report = complete(up.url, short + answer + " " + words(30, 51), "short")["handoff"]
-        assert report["reuse_decision"]["decision"] == "recomputed" and "floor" in report["reuse_decision"]["reason"]
+        assert report["reuse_decision"]["decision"] == "recompute" and "floor" in report["reuse_decision"]["reason"]
         metrics = httpx.get(decode_health(up.url)["url"] + "/metrics", timeout=10).text
         assert "kvhandoff_retained_sessions" in metrics and 'kvhandoff_retention_events_total{event="reuse_hits"}' in metrics
     finally:
@@ -293,7 +293,7 @@ def test_expired_and_evicted_history_is_recomputed(colocated, tmp_path):
         got = complete(up.url, nxt, "cap")
         assert got["choices"][0]["text"] == complete(colocated.url, nxt)["choices"][0]["text"]
         decision = got["handoff"]["reuse_decision"]
-        assert decision["decision"] == "recomputed" and "no such retained KV" in decision["reason"], decision
+        assert decision["decision"] == "recompute" and "no such retained KV" in decision["reason"], decision
         metrics = httpx.get(h["url"] + "/metrics", timeout=10).text
         assert 'kvhandoff_retention_events_total{event="evictions"} 2.0' in metrics
         assert 'kvhandoff_retention_events_total{event="lease_misses"} 1.0' in metrics     # the fetch found it gone
@@ -319,7 +319,7 @@ def test_a_token_exact_client_reuses_the_whole_history(colocated, tmp_path):
             assert choice["token_ids"] == expected["token_ids"] and choice["text"] == expected["text"], turn
             assert choice["prompt_token_ids"] == ids
             if turn:
-                assert report["reuse_decision"]["decision"] == "fetched", report["reuse_decision"]
+                assert report["reuse_decision"]["decision"] == "fetch", report["reuse_decision"]
                 assert report["reused_tokens"] == (history - 1) // block * block, (report["reused_tokens"], history)
             history = len(ids) + len(choice["token_ids"])
             ids = ids + choice["token_ids"] + [(turn * 13 + i * 5) % 400 + 20 for i in range(40)]
@@ -371,10 +371,10 @@ def test_changed_histories_reuse_exactly_the_longest_common_prefix(colocated, tm
             lcp = common_prefix(kept, answer["prompt_token_ids"])
             expected = lcp // block * block
             if expected >= 64:
-                assert report["reuse_decision"]["decision"] == "fetched", (case, report["reuse_decision"])
+                assert report["reuse_decision"]["decision"] == "fetch", (case, report["reuse_decision"])
                 assert report["reused_tokens"] == expected, (case, report["reused_tokens"], lcp)
             else:
-                assert report["reuse_decision"]["decision"] != "fetched" and not report.get("reused_tokens"), \
+                assert report["reuse_decision"]["decision"] != "fetch" and not report.get("reused_tokens"), \
                     (case, lcp, report["reuse_decision"])
             # Nothing changed: all of the prompt at least; the answer only as far as its text, re-tokenized
             # inside the template, gives back the generated ids (return_token_ids avoids that; see above).
@@ -403,7 +403,7 @@ def test_a_prefill_worker_that_caches_part_of_the_history_fetches_only_the_rest(
                 decision = report["reuse_decision"]
                 reusable = (history - 1) // block * block
                 local = previous // block * block      # the previous prompt, cached by this prefill worker
-                assert decision["decision"] == "fetched" and decision["reusable_tokens"] == reusable, decision
+                assert decision["decision"] == "fetch" and decision["reusable_tokens"] == reusable, decision
                 assert decision["local_tokens"] == local and 0 < local < reusable, decision
                 assert report["reused_tokens"] == reusable - local, report
                 assert report["reverse_bytes"] == (reusable - local) // block * block_bytes, report
@@ -465,7 +465,7 @@ def test_the_router_chooses_cache_fetch_or_recompute_per_turn(colocated, tmp_pat
         route = got["route_decision"]
         assert route["choice"] == "fetch" and route["prefill_worker"] != holder, (route, seen)
         assert route["measured_ms"] > 0, route
-        assert got["reuse_decision"]["decision"] == "fetched" and got["reused_tokens"] > 0, got["reuse_decision"]
+        assert got["reuse_decision"]["decision"] == "fetch" and got["reused_tokens"] > 0, got["reuse_decision"]
         # Under the floor: 40 tokens of history and 16 of answer are one block.
         short = [(i * 11) % 300 + 40 for i in range(40)]
         answer = turn(short, "short")["choices"][0]["token_ids"]
@@ -500,7 +500,7 @@ def test_retention_metrics_are_what_the_decode_worker_holds(colocated, tmp_path)
         prompt += complete(up.url, prompt, "m0")["choices"][0]["text"] + " " + words(30, 90)
         sample(1)
         report = complete(up.url, prompt, "m0")["handoff"]         # read back; this turn replaces the first
-        assert report["reuse_decision"]["decision"] == "fetched", report["reuse_decision"]
+        assert report["reuse_decision"]["decision"] == "fetch", report["reuse_decision"]
         health, text = sample(1)
         assert metric(text, 'kvhandoff_retention_events_total{event="reuse_hits"}') == 1
         assert metric(text, 'kvhandoff_retention_events_total{event="superseded"}') == 1

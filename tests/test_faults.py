@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, prefill_answer
-from kvhandoff.handoff.messages import PROTOCOL_VERSION
+from kvhandoff.wire.messages import PROTOCOL_VERSION
 from test_handoff import COMMON, HEADERS, PROMPTS, SECRET, body, disaggregated, wait_baseline
 from test_router import ROUTER_READY, Proc
 

@@ -19,8 +19,9 @@ import pytest
 
 from conftest import ServerProcess
 from kvhandoff import cli
-from kvhandoff.serve.auth import control_headers
-from kvhandoff.serve.router.policies import DecodePolicy, PrefillPolicy
+from kvhandoff.router.policies import DecodePolicy, PrefillPolicy
+from kvhandoff.transfer.agent import Backend
+from kvhandoff.wire.auth import control_headers
 from test_router import SECRET, UP_READY, FakeWorker, Proc, child_pids, gone, start_router, wait_until
 
 ADMIN = control_headers(SECRET)
@@ -230,9 +231,10 @@ def post(router: Proc, prompt: list[int], max_tokens: int = TOKENS) -> dict:
     return r.json()
 
 
-def test_the_cli_offers_every_policy():
+def test_the_cli_offers_every_policy_and_backend():
     assert set(cli.DECODE_POLICIES) == {p.value for p in DecodePolicy}
     assert set(cli.PREFILL_POLICIES) == {p.value for p in PrefillPolicy}
+    assert set(cli.KV_BACKENDS) == {b.value for b in Backend}
 
 
 @pytest.mark.parametrize("policy", [p.value for p in DecodePolicy])

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ServerProcess
-from kvhandoff.handoff.messages import PROTOCOL_VERSION
-from kvhandoff.serve.auth import control_headers
+from kvhandoff.wire.auth import control_headers
+from kvhandoff.wire.messages import PROTOCOL_VERSION
 
 SECRET = "fuzz-secret"
 HEADERS = control_headers(SECRET)

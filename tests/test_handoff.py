@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, prefill_answer, prefill_handoff
-from kvhandoff.handoff.messages import PROTOCOL_VERSION
-from kvhandoff.serve.auth import control_headers
+from kvhandoff.wire.auth import control_headers
+from kvhandoff.wire.messages import PROTOCOL_VERSION
 
 SECRET = "test-deployment-secret"
 HEADERS = control_headers(SECRET)

@@ -17,7 +17,7 @@ import pytest
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
 from kvhandoff.engine.request import SamplingParams
-from kvhandoff.serve.netlink import NS_PREFIX, LinkSpec, namespaces
+from kvhandoff.launch.netlink import NS_PREFIX, LinkSpec, namespaces
 from test_router import UP_READY, Proc
 
 pytestmark = pytest.mark.timeout(300)

@@ -29,9 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conftest import stop_process
-from kvhandoff.serve.auth import control_token
-from kvhandoff.serve.launch import free_port
-from kvhandoff.serve.router import WorkerPool
+from kvhandoff.launch.supervisor import free_port
+from kvhandoff.router import WorkerPool
+from kvhandoff.wire.auth import control_token
 
 SECRET = "test-secret"
 # Anchored: `up` also forwards its children's own ready lines, prefixed with their names.
@@ -608,7 +608,7 @@ def test_up_colocated_starts_and_stops_cleanly(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# End to end: real workers (once kvhandoff.serve.worker exists)
+# End to end: real workers (once kvhandoff.worker.handoff exists)
 
 # The issue's bar: 20 prompts of 64 to 2,048 tokens, 16 in flight at once, half of them streamed.
 LENGTHS = [64 + (2048 - 64) * k // 19 for k in range(20)]
@@ -848,12 +848,16 @@ def test_ports_handed_to_children_are_outside_the_ephemeral_range():
         listener.bind(("127.0.0.1", ports[0]))     # and it was free
 
 
-def test_the_router_and_the_supervisor_do_without_torch():
-    """The router and `kvhandoff up` import no torch (it costs ~2.5 s of a core at every start, and
-    `up` starts the router alongside the workers): they reach the handoff modules only for their
-    router legs."""
-    script = ("import sys, kvhandoff.serve.router.app, kvhandoff.serve.launch, kvhandoff.handoff.pull, "
-              "kvhandoff.handoff.push; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+def test_the_router_imports_only_the_wire_contract():
+    """The router is its own package: it imports kvhandoff.wire and nothing else of ours (never the
+    worker stack, the engine, the transfer layer), and no torch (it costs ~2.5 s of a core at every
+    start). `kvhandoff up` and the CLI's router command do without torch too."""
+    script = ("import sys, kvhandoff.router, kvhandoff.router.app; "
+              "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('kvhandoff.')})); "
+              "import kvhandoff.launch.supervisor, kvhandoff.cli; "
+              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    packages, heavy = out.stdout.split("\n")[:2]
+    assert packages == "['router', 'wire']", packages
+    assert heavy == "[]", heavy

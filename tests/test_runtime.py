@@ -12,12 +12,12 @@ from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
 from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import SamplingParams
-from kvhandoff.handoff import messages as M
-from kvhandoff.handoff.config import HandoffConfig
-from kvhandoff.handoff.connector import Connector
-from kvhandoff.handoff.modes import Mode
-from kvhandoff.handoff.runtime import Counters, Incoming
 from kvhandoff.transfer.agent import TransferAgent
+from kvhandoff.wire import messages as M
+from kvhandoff.wire.modes import Mode
+from kvhandoff.worker.config import HandoffConfig
+from kvhandoff.worker.connector import Connector
+from kvhandoff.worker.runtime import Counters, Incoming
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -14,7 +14,7 @@ import socket
 import httpx
 
 from conftest import ServerProcess
-from kvhandoff.serve.auth import control_token
+from kvhandoff.wire.auth import control_token
 from test_handoff import COMMON, SECRET
 from test_router import ROUTER_READY, Proc
 

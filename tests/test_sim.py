@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from kvhandoff.router import policies
+from kvhandoff.router.policies import DecodePolicy
 from kvhandoff.sim.calibrate import Costs, Linear, computed_tokens, link_of
-from kvhandoff.serve.router import policies
-from kvhandoff.serve.router.policies import DecodePolicy
 from kvhandoff.sim.fleet import LATE_BINDING_MARGIN, POLICIES, Fleet, Job, Link, poisson_jobs
 
 

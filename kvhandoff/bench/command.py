@@ -15,7 +15,7 @@ from kvhandoff.bench.client import completion_body, random_text, stream_completi
 from kvhandoff.bench.harness import Point, run_meta, run_point, write_outputs
 from kvhandoff.bench.meta import log
 from kvhandoff.bench.stack import Stack, cpu_seconds, stop_on_signal
-from kvhandoff.handoff.modes import STACK_MODES
+from kvhandoff.wire.modes import STACK_MODES
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
 WORKLOADS = ("grid", "binding", "multiturn")          # generated; anything else is a file to replay

@@ -37,8 +37,8 @@ from kvhandoff.bench.client import completion_body, stream_completion
 from kvhandoff.bench.meta import cpu_model, git_commit, log
 from kvhandoff.bench.plots import stacked_phases
 from kvhandoff.bench.stack import Stack, stop_on_signal
-from kvhandoff.handoff.modes import COLOCATED, Mode
-from kvhandoff.serve.netlink import LinkError, check_available
+from kvhandoff.launch.netlink import LinkError, check_available
+from kvhandoff.wire.modes import COLOCATED, Mode
 
 MODES = [Mode.PULL, Mode.PUSH, Mode.PUSH_LAYERWISE]
 PROBE_TOKENS = 256

@@ -50,9 +50,9 @@ from kvhandoff.bench.client import (
 )
 from kvhandoff.bench.meta import cpu_model, fmt, git_commit, log
 from kvhandoff.bench.stack import Stack, core_wait_ns, stop_on_signal
-from kvhandoff.handoff.messages import PHASES, TTFT_PHASES
-from kvhandoff.handoff.modes import COLOCATED, NAMES, Mode
-from kvhandoff.serve.netlink import LinkSpec
+from kvhandoff.launch.netlink import LinkSpec
+from kvhandoff.wire.messages import PHASES, TTFT_PHASES
+from kvhandoff.wire.modes import COLOCATED, NAMES, Mode
 
 DISAGG_MODES = NAMES
 BASELINE_1CORE, BASELINE_2CORE = "colocated-1core", "colocated-2core"

@@ -34,7 +34,7 @@ from kvhandoff.bench.client import (
 )
 from kvhandoff.bench.meta import cpu_model, fmt, git_commit, log
 from kvhandoff.bench.workload import WorkItem
-from kvhandoff.handoff.messages import PHASES
+from kvhandoff.wire.messages import PHASES
 
 
 @dataclass
@@ -195,7 +195,7 @@ def retention(samples: list, rows: list[dict]) -> dict | None:
     return {"gib_s": held / 2**30, "peak_mib": max((b for _, b in totals), default=0) / 2**20,
             "mean_mib": statistics.fmean(b for _, b in totals) / 2**20 if totals else 0.0,
             "turns_with_history": len(named), "later_turns": len(later),
-            "hit_rate": sum(decision(r).get("decision") == "fetched" for r in later) / len(later) if later else None,
+            "hit_rate": sum(decision(r).get("decision") == "fetch" for r in later) / len(later) if later else None,
             "reused_tokens": sum((r["handoff"] or {}).get("reused_tokens") or 0 for r in rows),
             "reverse_mib": sum((r["handoff"] or {}).get("reverse_bytes") or 0 for r in rows) / 2**20}
 

@@ -16,7 +16,7 @@ import msgspec
 import uvloop
 from aiohttp import web
 
-from kvhandoff.handoff import messages as M
+from kvhandoff.wire import messages as M
 
 PHASES = {"prefill_queue": 0.0, "prefill_compute": 0.0}
 

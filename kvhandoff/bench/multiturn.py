@@ -41,8 +41,8 @@ from kvhandoff.bench.client import (
 )
 from kvhandoff.bench.disagg import start_stacks
 from kvhandoff.bench.meta import cpu_model, git_commit, log
-from kvhandoff.handoff.modes import NAMES, Mode
 from kvhandoff.bench.stack import Stack, stop_on_signal
+from kvhandoff.wire.modes import NAMES, Mode
 
 GOAL_LATER_TURNS_X = 1.6        # TTFT off / on at the later turns (history >= 1,500 tokens)
 GOAL_NO_TURN_SLOWER = 1.02      # no turn's TTFT on may exceed 1.02x off

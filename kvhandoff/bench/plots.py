@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from kvhandoff.handoff.messages import PHASES  # noqa: E402
+from kvhandoff.wire.messages import PHASES  # noqa: E402
 
 
 def by_mode(summaries: list[dict]) -> dict[str, list[dict]]:

@@ -28,8 +28,8 @@ from pathlib import Path
 import aiohttp
 
 from kvhandoff.bench.meta import log
-from kvhandoff.serve.launch import free_port
-from kvhandoff.serve.lifeline import child_env
+from kvhandoff.launch.lifeline import child_env
+from kvhandoff.launch.supervisor import free_port
 
 SECRET = "router-bench-secret"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -29,7 +29,7 @@ import httpx
 from kvhandoff.bench.client import chat_body, completion_body, random_text, stream_completion
 from kvhandoff.bench.meta import git_commit, log
 from kvhandoff.bench.stack import Stack, stop_on_signal
-from kvhandoff.handoff.modes import NAMES, Mode
+from kvhandoff.wire.modes import NAMES, Mode
 
 KINDS = ("stream", "chat", "session", "hangup", "bad")
 WEIGHTS = (5, 2, 2, 1, 1)

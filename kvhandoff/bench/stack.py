@@ -18,8 +18,8 @@ from typing import Callable, Iterable
 import httpx
 
 from kvhandoff.bench.meta import log
-from kvhandoff.serve.launch import free_port
-from kvhandoff.serve.lifeline import child_env
+from kvhandoff.launch.lifeline import child_env
+from kvhandoff.launch.supervisor import free_port
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The fixed points at which the engine calls a KV connector (the handoff, kvhandoff.handoff), in the
+"""The fixed points at which the engine calls a KV connector (the worker's handoff, kvhandoff.worker.connector), in the
 spirit of vLLM's connector split: a scheduler half that does no I/O, and a worker half that posts
 transfers and polls for the finished ones, once per step. The engine knows nothing of transfers.
 

@@ -31,7 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvhandoff.serve.netlink import LinkSpec
+from kvhandoff.launch.netlink import LinkSpec
 
 
 @dataclass

@@ -20,8 +20,8 @@ import json
 import statistics
 from pathlib import Path
 
+from kvhandoff.launch.netlink import LinkSpec
 from kvhandoff.sim.calibrate import Costs, computed_tokens, fit, load_run, phase, usable
-from kvhandoff.serve.netlink import LinkSpec
 from kvhandoff.sim.fleet import BINDINGS, POLICIES, Fleet, Job, Link, poisson_jobs
 
 COMPARED = ("prefill_queue", "prefill_compute", "transfer", "ttft", "tpot")

@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable
 
 import numpy as np
@@ -38,7 +39,17 @@ from kvhandoff.transfer.tcp import Channel, Inbound, Server, client_handshake, c
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "shm", "tcp", "nixl")
+
+
+class Backend(StrEnum):
+    """How an agent moves bytes (`--kv-backend`)."""
+    AUTO = "auto"           # shm to a peer on this host (when it can map our segments), tcp otherwise
+    SHM = "shm"
+    TCP = "tcp"
+    NIXL = "nixl"           # through NIXL (peers need it too)
+
+
+BACKENDS = tuple(b.value for b in Backend)
 INLINE_COPY_BYTES = 256 << 10   # smaller shm copies run in the caller: a thread hop costs more than the copy
 METADATA_VERSION = 1
 # Every agent sweeps the host for segments of dead owners this often: a worker that crashed before any
@@ -85,6 +96,7 @@ class TransferAgent:
                  protocol: str = "", on_peer_lost: Callable[[str, str], None] | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+        backend = Backend(backend)
         if not secret:
             raise ValueError("a shared secret is required: peers authenticate with it")
         assert heartbeat_s < peer_timeout_s, "a peer must hear from us before it gives up on us"

@@ -1,0 +1,525 @@
+"""One client request through the router, and its current attempt: the workers it holds, its two legs
+(the protocol's router leg in legs.py sequences them), the merge of what both
+workers report, and the end that closes everything.
+
+A request lives through explicit phases (Phase): OPENING (legs going out), ANSWERING (the decode
+worker's answer is open, the client has no token yet: a failure can still be retried invisibly),
+STREAMING (the client saw a token: no retry any more; a failed decode worker is migrated from,
+relay.py), DRAINED (the answer was read to its end), ENDED (closed and counted). A retry on other
+workers starts a new attempt, with a new handoff id.
+
+Ownership of upstream connections: every response opened to a worker is recorded on the attempt
+and closed by `release_legs`, whichever way the request ends (done, worker error, client gone,
+deadline). Closing a half-read response closes its TCP connection, which is how a worker learns that
+nobody listens any more and aborts the request, freeing its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvhandoff.router.errors import (Relay, WorkerFailure, describe, error_json, failure_message, refused,
+                                           status_of, task_outcome, worker_failure)
+from kvhandoff.router.policies import PrefillPolicy, late_binding_target, reuse_estimate
+from kvhandoff.router.pool import Worker
+from kvhandoff.router.prefix import PromptFacts
+from kvhandoff.router.sessions import SessionEntry
+from kvhandoff.router.upstream import Answer, Unreachable, UpstreamError
+from kvhandoff.wire import api as P
+from kvhandoff.wire import messages as M
+from kvhandoff.wire.cost import REUSE_FLOOR_TOKENS
+
+log = logging.getLogger("kvhandoff.router")
+
+# Fields of the prefill's answer worth showing the client when the decode side lacks them; the rest
+# (token ids, block ids, checksums, agent metadata) is protocol payload, not observability.
+PREFILL_FALLBACK_FIELDS = ("bytes_transferred", "bytes_before_prefill_end", "blocks", "reused_tokens",
+                           "reverse_bytes", "reuse_decision", "prefill_cached_tokens")
+PrefillAnswer = M.PullHandoff | M.PushPrefillAnswer
+# Push: how long the decode side's final answer waits for the prefill's (normally there already: the
+# prefill answers once its WRITE is done, before decode can finish). Bounded, so a prefill that hangs
+# delays nobody's last chunk by more than this.
+PREFILL_ANSWER_GRACE_S = 5.0
+
+
+class Phase(Enum):
+    OPENING = "opening"
+    ANSWERING = "answering"
+    STREAMING = "streaming"
+    DRAINED = "drained"
+    ENDED = "ended"
+
+
+@dataclass
+class Attempt:
+    router: object                                # app.Router: config, pool, client, metrics
+    endpoint: str
+    stream: bool
+    t0: float                                     # perf_counter at arrival
+    deadline: float                               # event-loop time after which the router gives up
+    body: dict = field(default_factory=dict)      # the client's body, as it came
+    handoff_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    phase: Phase = Phase.OPENING
+    status: str = "200"                           # metrics label of the outcome
+    router_ms: float | None = None                # arrival -> first byte sent to a worker
+    decode_sent_ms: float | None = None           # arrival -> the decode leg sent
+    first_token_ms: float | None = None           # streams: when the first generated text went out
+    session_id: str | None = None                 # bidirectional: the client's name for the conversation
+    candidate: SessionEntry | None = None         # bidirectional: where its history's KV is kept
+    attempts: int = 1                             # 2 after a retry on other workers
+    excluded: set[str] = field(default_factory=set)   # workers that failed this request
+    retry_reason: str | None = None               # why the first attempt was given up
+    facts: PromptFacts | None = None              # the prompt's tokens and block hashes (cache-aware, selective)
+    # this attempt's
+    prefill: Worker | None = None
+    decode: Worker | None = None
+    prefill_task: asyncio.Task | None = None      # push: resolves to the prefill's answer (PushPrefillAnswer)
+    remote: M.PullHandoff | None = None           # pull: the prefill's answer (blocks pinned)
+    upstream: list[Answer] = field(default_factory=list)
+    open_legs: set[str] = field(default_factory=set)      # roles sent a request whose answer we lack
+    holding: list[Worker] = field(default_factory=list)   # in_flight counted on these
+    retried: str | None = None                    # why the request was computed colocated on the decode worker
+    kv_source: str = "retried_colocated"          # ... after a failed prefill, or "colocated" (selective)
+    merged: M.ClientHandoff | None = None         # the client's handoff object, once merged
+    binding: int = 0                              # late binding: how often the decode leg was moved
+    rebound_from: str | None = None               # ... and the decode worker it left
+    route_decision: dict | None = None            # bidirectional + cache-aware: cache, fetch or recompute, and why
+    decode_task: asyncio.Task | None = None       # the decode worker's answer, opening (legs.py)
+    # The first token, from the prefill's answer (messages.FirstToken; None if its answer ended without
+    # one): the relay streams it to the client at once.
+    first_token: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # Set once the relay has dealt with the prefill's first token (sent it, or found no text to send):
+    # what can wait until the client has its token (pull's decode leg) waits for it.
+    first_relayed: asyncio.Event = field(default_factory=asyncio.Event)
+    prefill_sent_ms: float | None = None          # arrival -> the prefill leg sent
+    first_received_ms: float | None = None        # arrival -> the prefill's first token here
+    created: int = field(default_factory=P.now)   # every chunk's `created`, whichever worker makes it
+    migrations: list[dict] = field(default_factory=list)   # decode workers the stream moved away from, and why
+    first_from_prefill: bool = False              # the client's first token came from the prefill's answer
+
+    @property
+    def config(self):
+        return self.router.config
+
+    @property
+    def mode(self) -> M.Mode:
+        return self.config.mode
+
+    def ms(self) -> float:
+        return round((time.perf_counter() - self.t0) * 1e3, 3)
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is Phase.ENDED
+
+    @property
+    def decode_opened(self) -> bool:
+        """The decode worker's answer has started."""
+        return self.phase not in (Phase.OPENING, Phase.ENDED)
+
+    @property
+    def retryable(self) -> bool:
+        """No token has reached the client: a retry can still be invisible."""
+        return self.phase in (Phase.OPENING, Phase.ANSWERING) and self.attempts == 1
+
+    @property
+    def first_sent(self) -> bool:
+        """The client has a token."""
+        return self.first_token_ms is not None
+
+    def next_attempt(self) -> None:
+        """Forget the abandoned attempt's legs: the retry is a new handoff with its own id."""
+        self.attempts += 1
+        self.handoff_id = uuid.uuid4().hex
+        self.prefill = self.decode = self.prefill_task = self.remote = self.merged = self.decode_task = None
+        self.upstream, self.open_legs, self.holding = [], set(), []
+        self.retried, self.kv_source = None, "retried_colocated"
+        self.binding, self.rebound_from, self.route_decision = 0, None, None
+        if not self.first_token.done():
+            self.first_token.set_result(None)
+        self.first_token = asyncio.get_running_loop().create_future()
+        self.first_relayed = asyncio.Event()
+        self.prefill_sent_ms = self.first_received_ms = None
+        self.phase = Phase.OPENING
+
+    async def answerable(self) -> None:
+        """Until the client can be answered: a stream once the first token is here (or, without one,
+        once the decode worker's answer opened), a whole answer once the decode answer opened. A leg
+        that failed first raises."""
+        if self.stream:
+            await asyncio.wait({self.first_token, self.decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if self.first_token.done() and self.first_token.result() is not None:
+                return
+        await self.decode_task
+
+    # -- what the protocols' router legs call (handoff/pull.py, push.py) -----------------------------
+    def pick(self, role: str, prefer: str | None = None) -> Worker:
+        estimates = self.reuse_estimates() if role == "prefill" else None
+        cost = (lambda w: estimates[w.url]["est_ms"]) if estimates else None
+        worker = self.router.pool.pick(role, self.excluded, prefer, self.facts, cost)
+        if estimates:
+            self.route_decision = {"choice": estimates[worker.url]["option"], "prefill_worker": worker.url,
+                                   "candidates": list(estimates.values())}
+        self.holding.append(worker)
+        return worker
+
+    def reuse_estimates(self) -> dict[str, dict] | None:
+        """Cache-aware prefill for a turn whose history a decode worker retains: each prefill worker's
+        cheapest way (its cache, a fetch, recomputing) and its estimated ms (policies.reuse_estimate)."""
+        if self.candidate is None or self.facts is None or self.config.prefill_policy is not PrefillPolicy.CACHE:
+            return None
+        pool = self.router.pool
+        return {w.url: reuse_estimate(w, self.facts, pool.prefix, self.candidate.block_hashes, REUSE_FLOOR_TOKENS)
+                for w in pool.serving("prefill")}
+
+    @property
+    def history_worker(self) -> str | None:
+        """Bidirectional: the decode worker holding the conversation's history, preferred."""
+        return self.candidate.decode_url if self.candidate is not None else None
+
+    async def run_prefill(self, **extra) -> PrefillAnswer:
+        """Run the prefill leg to its end; returns the prefill's answer (its handoff object, typed by
+        mode). Its first token resolves `first_token` as soon as it is here."""
+        worker = self.prefill
+        first_token = self.first_token
+        try:
+            self.prefill_sent_ms = self.ms()
+            resp = await self.post(worker, self.worker_body("prefill", **extra))
+            if resp.content_type.startswith("application/x-ndjson"):
+                handoff = await self.read_prefill_lines(worker, resp)
+            else:       # one JSON answer: a worker that sends no first token (the relay waits for decode's)
+                handoff = (await self.read_json(worker, resp)).get("handoff")
+        finally:
+            if not first_token.done():
+                first_token.set_result(None)
+        self.open_legs.discard("prefill")
+        self.unhold(worker)
+        if not isinstance(handoff, dict):
+            raise WorkerFailure(worker, f"the prefill worker {worker.url} answered without a handoff object; is "
+                                "it running with --role prefill?", "bad_worker_answer")
+        try:
+            return M.parse(M.PullHandoff if self.mode.is_pull else M.PushPrefillAnswer, handoff,
+                           "the prefill's handoff object")
+        except M.MessageError as exc:
+            raise WorkerFailure(worker, f"the {worker} answered a malformed handoff object: {exc}",
+                                "bad_worker_answer") from None
+
+    async def read_prefill_lines(self, worker: Worker, resp: Answer) -> dict | None:
+        """The prefill's JSON lines: the first token (handed on at once), then the handoff object, or
+        the error that ended the handoff after its first token."""
+        try:
+            async for raw in resp.lines():
+                try:
+                    line = M.parse(M.PrefillLine, raw, "the prefill's answer")
+                except M.MessageError as exc:
+                    raise WorkerFailure(worker, f"the {worker} answered a malformed line: {exc}",
+                                        "bad_worker_answer") from None
+                if line.first_token is not None and not self.first_token.done():
+                    self.first_received_ms = self.ms()
+                    self.first_token.set_result(line.first_token)
+                elif line.error is not None:
+                    raise Relay(worker, line.status, {"error": line.error})
+                elif line.handoff is not None:
+                    return line.handoff
+        except UpstreamError as e:
+            raise worker_failure(worker, e) from None
+        return None
+
+    async def open_decode(self, **extra) -> Answer:
+        """Send the decode leg; returns its open answer (status line read)."""
+        self.decode_sent_ms = self.ms()
+        resp = await self.post(self.decode, self.worker_body("decode", **extra))
+        self.phase = Phase.ANSWERING
+        return resp
+
+    def may_retry_colocated(self, failure: BaseException) -> bool:
+        """A prefill failure the decode worker could make good by computing the request itself: the
+        worker's fault (5xx, unreachable, died), not the request's (4xx would fail there too)."""
+        return self.config.retry_colocated and status_of(failure) >= 500
+
+    async def retry_colocated(self, failure: BaseException) -> Answer:
+        """Send the client's request, as it came, to the decode worker: it computes it colocated."""
+        reason = failure_message(failure)
+        log.warning("handoff %s: prefill failed (%s); retrying colocated", self.handoff_id, reason)
+        return await self.run_colocated(f"prefill failed ({reason})", "retried_colocated")
+
+    async def run_colocated(self, why: str, kv_source: str) -> Answer:
+        """The client's request, as it came, to a decode worker, which computes it itself."""
+        if self.decode is None:
+            self.decode = self.pick("decode")
+        self.retried, self.kv_source = f"{why}; computed colocated on {self.decode.url}", kv_source
+        self.remote = None                  # nothing pinned to release
+        self.decode_sent_ms = self.ms()
+        resp = await self.post(self.decode, self.worker_body("decode", colocated=True))
+        self.phase = Phase.ANSWERING
+        return resp
+
+    async def resume_on(self, worker: Worker, token_ids: list[int], emitted_chars: int) -> Answer:
+        """Migration: the client's request to `worker` (picked: held), continued after the tokens it
+        was sent (computed from the prompt if none)."""
+        self.decode = worker
+        resume = {"resume_token_ids": token_ids, "emitted_chars": emitted_chars} if token_ids else {}
+        return await self.post(worker, self.worker_body("decode", colocated=True, **resume))
+
+    def refused(self, failure: BaseException | None) -> bool:
+        return refused(failure)
+
+    def abandon(self, role: str) -> None:
+        """This leg's answer was closed unread: the worker frees what it holds for it."""
+        self.open_legs.discard(role)
+        self.tell(self.decode if role == "decode" else self.prefill, "/kv/cancel")
+
+    def fallen_behind(self) -> tuple[Worker, float, float] | None:
+        """Late binding: (where to move the decode leg, the wait expected here, there), or None."""
+        return late_binding_target(self.decode, self.router.pool.serving("decode"), self.excluded)
+
+    async def rebind(self) -> str | None:
+        """Late binding: ask the prefill worker to withdraw the decode worker's registration and take
+        the next binding's instead. None if it did; else why not (its WRITE has started, ...)."""
+        body = {"handoff_id": self.handoff_id, "binding": self.binding + 1}
+        try:
+            status, answer = await self.router.upstream.call("POST", self.prefill.url + "/kv/rebind", body, timeout=5.0)
+        except UpstreamError as e:
+            return describe(e)
+        if status != 200:
+            error = answer.get("error") if isinstance(answer, dict) else None
+            return (error.get("message") if isinstance(error, dict) else None) or str(status)
+        self.binding += 1
+        return None
+
+    async def move_decode(self, target: Worker, leg: asyncio.Task) -> asyncio.Task:
+        """Late binding, after a rebind: close the decode leg on the worker left behind (it frees its
+        blocks: the prefill told it nothing will be written there) and open one on `target`."""
+        leg.cancel()
+        await asyncio.wait({leg})
+        if not leg.cancelled() and leg.exception() is None:
+            resp = leg.result()
+            self.upstream.remove(resp)
+            resp.close()
+        self.abandon("decode")
+        self.unhold(self.decode)
+        self.router.pool.hold(target, self.facts)
+        self.holding.append(target)
+        self.rebound_from, self.decode = self.decode.url, target
+        return asyncio.ensure_future(self.open_decode(prefill_url=self.prefill.url, binding=self.binding))
+
+    def report_prefill_failure(self, failure: BaseException) -> None:
+        """Push: the prefill leg failed with both legs out: the decode worker hears it now (/kv/failed)."""
+        _, reason = task_outcome(self.prefill_task)
+        fields = {"recompute": True} if self.config.retry_colocated else {}
+        self.tell(self.decode, "/kv/failed", reason=f"prefill worker {self.prefill.url}: {reason}",
+                  prefill_answered=isinstance(failure, Relay), **fields)
+
+    # -- talking to workers ---------------------------------------------------------------------------
+    def worker_body(self, role: str, **extra) -> dict:
+        bidirectional = self.config.bidirectional
+        extra["created"] = self.created
+        if bidirectional and role == "prefill" and self.candidate is not None:
+            extra["reuse"] = self.candidate.candidate()
+        if bidirectional and role == "decode" and not extra.get("colocated"):
+            extra["retain"] = True
+            if self.candidate is not None and self.candidate.decode_url == self.decode.url:
+                extra["supersedes"] = self.candidate.retention_id
+        body = self.body
+        if role == "prefill":   # prefill answers one JSON object, whatever the client asked for
+            body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        return {**body, "kv_transfer_params": M.params(self.handoff_id, self.mode, role, **extra)}
+
+    async def post(self, worker: Worker, body: dict) -> Answer:
+        """POST and return the open 200 answer (body unread); any other answer raises Relay/APIError."""
+        if self.router_ms is None:
+            self.router_ms = self.ms()
+        self.open_legs.add(worker.role)
+        try:
+            resp = await self.router.upstream.open("POST", worker.url + self.endpoint, body)
+        except UpstreamError as e:
+            if isinstance(e, Unreachable):
+                self.open_legs.discard(worker.role)        # it never saw the request
+            raise worker_failure(worker, e) from None
+        self.upstream.append(resp)
+        if resp.status != 200:
+            body = await error_json(worker, resp)
+            self.open_legs.discard(worker.role)            # it answered: it holds nothing for us
+            raise Relay(worker, resp.status, body, resp.retry_after)
+        return resp
+
+    async def read_json(self, worker: Worker, resp: Answer) -> dict:
+        try:
+            data = json.loads(await resp.read())
+        except UpstreamError as e:
+            raise worker_failure(worker, e) from None
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise WorkerFailure(worker, f"the {worker} answered something that is not a JSON object",
+                                "bad_worker_answer")
+        return data
+
+    def tell(self, worker: Worker, path: str, **fields) -> None:
+        """Fire-and-forget control message about this handoff (/kv/cancel, /kv/release, /kv/failed).
+        All are idempotent on the worker, so telling a worker that already knows costs nothing."""
+        self.router.tell(worker, path, {"handoff_id": self.handoff_id, **fields})
+
+    def unhold(self, worker: Worker) -> None:
+        if worker in self.holding:
+            self.holding.remove(worker)
+            self.router.pool.release(worker, self.facts)
+
+    async def release_legs(self, drained: bool = False) -> None:
+        """Close this attempt's upstream answers and tell its workers to free what they hold for it
+        (`drained`: the decode answer was read to its end)."""
+        for resp in self.upstream:
+            resp.close()
+        if self.decode_task is not None and not self.decode_task.done():
+            self.decode_task.cancel()
+        if self.decode_task is not None:
+            self.decode_task.add_done_callback(task_outcome)    # consume its exception: no warning
+        if self.prefill_task is not None:
+            if not self.prefill_task.done():
+                self.prefill_task.cancel()      # closes its connection: prefill aborts, frees its blocks
+            self.prefill_task.add_done_callback(task_outcome)   # consume its exception: no warning
+        for worker in list(self.holding):
+            self.unhold(worker)
+        # A worker handling a request does not notice that the router hung up until it next writes to
+        # us (a prefill waiting for its engine, a decode waiting for KV): tell it, so it frees blocks now.
+        if "prefill" in self.open_legs:
+            self.tell(self.prefill, "/kv/cancel")
+        elif self.remote is not None and not drained:
+            self.tell(self.prefill, "/kv/release")    # pull: nobody will read the pinned blocks
+        if "decode" in self.open_legs:
+            self.tell(self.decode, "/kv/cancel")
+
+    # -- what the client gets -------------------------------------------------------------------------
+    async def merge(self, decode_handoff: dict | None) -> M.ClientHandoff:
+        """The client's handoff object: the decode worker's report, with the prefill's phases and ours
+        added. Merged once (the final chunk and the usage chunk both carry it). After a migration the
+        worker that finished the stream computed it colocated and reports no handoff (None)."""
+        if self.merged is not None:
+            return self.merged
+        prefill, prefill_error = self.remote, None
+        if self.prefill_task is not None:      # push
+            await asyncio.wait({self.prefill_task}, timeout=PREFILL_ANSWER_GRACE_S)
+            prefill, prefill_error = task_outcome(self.prefill_task)
+        decode = self.decode_report(decode_handoff)
+        pre = prefill.phases_ms if prefill is not None else {}
+        dec = decode.phases_ms if decode is not None else {}
+        # handoff_wait and transfer may come from both sides; the one that moved the data (decode READs
+        # in pull, prefill WRITEs in push) measured the transfer itself, so its view wins.
+        first, second = (dec, pre) if self.mode.is_pull else (pre, dec)
+        phases = {p: first.get(p) if first.get(p) is not None else second.get(p) for p in M.PHASES}
+        phases.update(self.ttft_phases())
+        merged = M.ClientHandoff(self.handoff_id, self.mode, self.prefill.url if self.prefill else None,
+                                 self.decode.url, phases, self.router_ms)
+        if decode is not None:
+            merged.kv_source, merged.error = decode.kv_source, decode.error
+            merged.bytes_transferred, merged.blocks = decode.bytes_transferred, decode.blocks
+            merged.decode_cached_tokens = decode.decode_cached_tokens
+        for name in PREFILL_FALLBACK_FIELDS:      # (0 and None alike: the prefill did not say)
+            if getattr(merged, name) is None and getattr(prefill, name, None):
+                setattr(merged, name, getattr(prefill, name))
+        if self.migrations:
+            merged.migrated = self.migrations
+        if self.first_token_ms is not None:         # (a stream: which answer its first token came from)
+            merged.first_token_source = "prefill" if self.first_from_prefill else "decode"
+        merged.prefill_error, merged.rebound_from = prefill_error, self.rebound_from
+        if self.route_decision:       # beside its estimate, what the chosen worker took (queue + prompt)
+            spent = [phases.get(p) for p in ("prefill_queue", "prefill_compute")]
+            measured = round(sum(spent), 3) if None not in spent else None
+            merged.route_decision = {**self.route_decision, "measured_ms": measured}
+        merged.retried_elsewhere = self.retry_reason
+        self.merged = merged
+        self.router.merged(self, merged, decode.retained if decode is not None else None)
+        return merged
+
+    def decode_report(self, handoff: dict | None) -> M.DecodeReport | None:
+        """The decode worker's handoff object, parsed; a malformed one costs the client only its
+        observability (the tokens are out), so it is logged, not raised."""
+        if not handoff:
+            return None
+        try:
+            return M.parse(M.DecodeReport, handoff, "the decode worker's handoff object")
+        except M.MessageError as exc:
+            log.warning("handoff %s: %s answered %s", self.handoff_id, self.decode, exc)
+            return None
+
+    def ttft_phases(self) -> dict:
+        """The router's phases of the first token's critical path (messages.TTFT_PHASES, with the
+        prefill's queue and compute): arrival -> prefill leg sent; the hops there and back (the wait
+        for the first token less the prefill worker's own time); the worker's time outside its
+        queue and compute (parsing, tokenizing, admission, the answer); our relay to the client."""
+        first = self.first_token.result() if self.first_token.done() else None
+        if first is None or self.first_received_ms is None or self.prefill_sent_ms is None:
+            return {}
+        worker = first.phases_ms
+        spent = [worker.get(p) for p in ("prefill_worker", "prefill_queue", "prefill_compute")]
+        phases = {"router_dispatch": self.prefill_sent_ms}
+        if None not in spent:
+            phases["prefill_hops"] = round(self.first_received_ms - self.prefill_sent_ms - spent[0], 3)
+            phases["prefill_request"] = round(spent[0] - spent[1] - spent[2], 3)
+        if self.first_from_prefill and self.first_token_ms is not None:
+            phases["relay"] = round(self.first_token_ms - self.first_received_ms, 3)
+        return phases
+
+    def retried_handoff(self) -> M.ClientHandoff:
+        """The handoff object of a request computed colocated (the decode worker answered a plain one):
+        `kv_source` says why, and the field of that name how."""
+        if self.merged is None:
+            self.merged = M.ClientHandoff(
+                self.handoff_id, self.mode, self.prefill.url if self.prefill else None, self.decode.url,
+                dict.fromkeys(M.PHASES), self.router_ms, kv_source=self.kv_source, bytes_transferred=0, blocks=0,
+                reused_tokens=0, retried_elsewhere=self.retry_reason, migrated=self.migrations or None)
+            setattr(self.merged, self.kv_source, self.retried)
+        return self.merged
+
+    def timings(self, worker_timings: dict | None) -> dict:
+        """`timings` as the client's request lived them, from the router's arrival, in every mode:
+        queue (here and at the prefill worker), prefill (from then to the first token: compute, handoff
+        and hops), ttft, decode, total. Never negative; queue + prefill = ttft."""
+        t = worker_timings or {}
+        total = self.ms()
+        sent = self.decode_sent_ms or 0.0
+        if self.first_token_ms is not None:
+            ttft = self.first_token_ms
+        elif self.first_received_ms is not None:        # (a whole answer: the prefill's first token)
+            ttft = self.first_received_ms
+        elif t.get("ttft_ms") is not None:
+            ttft = sent + t["ttft_ms"]
+        else:
+            ttft = None
+        phases = self.merged.phases_ms if self.merged is not None else {}
+        if self.retried or phases.get("prefill_queue") is None:     # computed colocated on the decode worker
+            queue = sent + (t.get("queue_ms") or 0.0)
+        else:
+            queue = (self.router_ms or 0.0) + phases["prefill_queue"]
+            if ttft is not None and phases.get("prefill_compute") is not None:
+                # The first token exists once the prefill worker has computed it. A non-streamed answer's
+                # TTFT comes from the decode worker's clock, which starts a hop after we sent it (push
+                # sends both legs at once): under load that hop is milliseconds, and unbounded the
+                # estimate fell short of the prefill itself.
+                ttft = max(ttft, queue + phases["prefill_compute"])
+        if ttft is not None:
+            ttft = min(max(ttft, 0.0), total)
+            queue = min(max(queue, 0.0), ttft)
+        def r(v):
+            return None if v is None else round(v, 3)
+        return {"queue_ms": r(queue), "prefill_ms": r(None if ttft is None else ttft - queue), "ttft_ms": r(ttft),
+                "decode_ms": r(None if ttft is None else total - ttft), "total_ms": r(total)}
+
+    def workers_named(self) -> str:
+        """The workers of the current attempt, for a log line."""
+        named = [str(w) for w in (self.prefill, self.decode) if w is not None]
+        return " and ".join(named) or "no worker yet"
+
+
+def rewrite_final(attempt: Attempt, data: dict, handoff: M.ClientHandoff) -> dict:
+    """A final chunk or answer as the client gets it: the merged handoff object and the router's timings."""
+    data["handoff"] = handoff.to_dict()
+    if "timings" in data:
+        data["timings"] = attempt.timings(data.get("timings"))
+    return data
+

@@ -1,0 +1,185 @@
+"""The router's workers: who they are, how loaded and healthy, which one a request gets, and how the
+set changes at run time (add, and remove by draining: a removed worker gets no new request and leaves
+the pool when its last one has finished)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvhandoff.router.errors import describe
+from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, ranking
+from kvhandoff.router.prefix import PrefixIndex, PromptFacts
+from kvhandoff.router.upstream import Upstream, UpstreamError
+
+
+def parse_urls(spec: str) -> list[str]:
+    """'h:p,http://h2:p2/v1/' -> ['http://h:p', 'http://h2:p2']: workers are named by their base URL."""
+    urls = []
+    for raw in spec.split(","):
+        url = raw.strip().rstrip("/")
+        if not url:
+            continue
+        url = url.removesuffix("/v1")
+        urls.append(url if "://" in url else f"http://{url}")
+    if not urls:
+        raise ValueError(f"no worker URL in {spec!r}")
+    return urls
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str                    # "prefill" or "decode"
+    in_flight: int = 0           # requests this router has routed to it and not yet finished
+    load: int = 0                # num_running + num_waiting at its last /health
+    healthy: bool = True         # until a poll says otherwise
+    draining: bool = False       # removed at run time: no new requests; gone once in_flight is 0
+    routed_since_poll: int = 0   # requests this router sent it since its last /health answer
+    tokens_in_flight: int = 0    # prompt tokens of this router's requests it holds (when known)
+    last_health: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:         # how messages and logs name it
+        return f"{self.role} worker {self.url}"
+
+
+class WorkerPool:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str],
+                 on_change: Callable[[Worker], None] = lambda worker: None,
+                 decode_policy: DecodePolicy = DecodePolicy.FEWEST, prefill_policy: PrefillPolicy = PrefillPolicy.FEWEST):
+        self.prefills = [Worker(u, "prefill") for u in prefill_urls]
+        self.decodes = [Worker(u, "decode") for u in decode_urls]
+        self.on_change = on_change
+        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.prefix = PrefixIndex()                   # what each prefill worker should have cached
+        self.cursor: dict[str, int] = {}              # per role: where the round-robin tie break resumes
+        self._polled = asyncio.Event()                # set (and replaced) after each poll of every worker
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.prefills + self.decodes
+
+    def of(self, role: str) -> list[Worker]:
+        return self.prefills if role == "prefill" else self.decodes
+
+    def serving(self, role: str) -> list[Worker]:
+        """The role's workers that may get new requests (not draining)."""
+        return [w for w in self.of(role) if not w.draining]
+
+    def find(self, url: str) -> Worker | None:
+        return next((w for w in self.workers if w.url == url), None)
+
+    def pick(self, role: str, excluded: set[str] = frozenset(), prefer: str | None = None,
+             facts: PromptFacts | None = None, cost=None) -> Worker:
+        """Not excluded (it failed this request) first, healthy first, a healthy `prefer` (the
+        decode worker holding the conversation's history) outright, then the role's policy
+        (policies.py); ties go round-robin (the first tied one after the last pick) so equals
+        share. Draining workers are never picked. The caller holds the worker (one more in flight)
+        until it calls release(). `facts`: the prompt's, when known (cache-aware prefill); `cost`:
+        the caller's ranking instead of the policy's (a conversation's three-way choice)."""
+        workers = self.serving(role)
+        assert workers, f"no {role} worker left in the pool"      # remove() keeps one of each role
+        n, start = len(workers), self.cursor.get(role, 0) % len(workers)
+        in_turn = [workers[(start + i) % n] for i in range(n)]
+        cost = cost or ranking(self.policies[role], workers, facts, self.prefix)
+        worker = min(in_turn, key=lambda w: (w.url in excluded, not w.healthy, w.url != prefer, cost(w)))
+        self.cursor[role] = (workers.index(worker) + 1) % n
+        self.hold(worker, facts)
+        return worker
+
+    def hold(self, worker: Worker, facts: PromptFacts | None = None) -> None:
+        """One more request of this router on `worker` (until release)."""
+        worker.in_flight += 1
+        worker.routed_since_poll += 1
+        if facts is not None:
+            worker.tokens_in_flight += facts.num_tokens
+            if worker.role == "prefill":
+                self.prefix.record(worker.url, facts.block_hashes, worker.last_health.get("num_blocks"))
+        self.on_change(worker)
+
+    def release(self, worker: Worker, facts: PromptFacts | None = None) -> None:
+        worker.in_flight -= 1
+        worker.tokens_in_flight -= facts.num_tokens if facts is not None else 0
+        reported = worker.last_health.get("num_tokens_to_prefill")
+        if facts is not None and isinstance(reported, int) and reported > 0:
+            # A prompt that is done is queued nowhere: a report taken while it was still being computed
+            # would otherwise make an idle worker look busy until the next poll.
+            worker.last_health["num_tokens_to_prefill"] = max(0, reported - facts.num_tokens)
+        self.on_change(worker)
+        if worker.draining and worker.in_flight == 0:
+            self._drop(worker)
+
+    def has_alternative(self, worker: Worker) -> bool:
+        return any(w.healthy and w is not worker for w in self.serving(worker.role))
+
+    def least_loaded(self, role: str) -> Worker:
+        """For a side call that holds nothing (a prefill worker to hash a prompt)."""
+        return min(self.serving(role), key=lambda w: (not w.healthy, w.in_flight, w.load))
+
+    def missing_roles(self) -> list[str]:
+        return [role for role in ("prefill", "decode") if not any(w.healthy for w in self.serving(role))]
+
+    # -- the set of workers, changed at run time (the router's /admin/workers) -----------------------
+    def add(self, role: str, url: str) -> Worker:
+        """A new worker, in rotation at once (healthy until a poll says otherwise, as at start). Adding
+        a worker that is draining takes it back; adding one that is there is a no-op."""
+        assert role in ("prefill", "decode"), role
+        worker = self.find(url)
+        if worker is not None:
+            if worker.role != role:
+                raise ValueError(f"{url} is already in the pool as a {worker.role} worker")
+            worker.draining = False
+            return worker
+        worker = Worker(url, role)
+        self.of(role).append(worker)
+        self.on_change(worker)
+        return worker
+
+    def remove(self, url: str) -> Worker:
+        """Drain `url`: no new requests from now on; it leaves the pool when its last one finishes.
+        The last worker of a role cannot be removed (add its replacement first)."""
+        worker = self.find(url)
+        if worker is None:
+            raise KeyError(url)
+        if not any(w is not worker for w in self.serving(worker.role)):
+            raise ValueError(f"{worker} is the last {worker.role} worker in the pool; add another one first")
+        worker.draining = True
+        if worker.in_flight == 0:
+            self._drop(worker)
+        return worker
+
+    def _drop(self, worker: Worker) -> None:
+        self.prefix.forget(worker.url)
+        workers = self.of(worker.role)
+        if worker in workers:
+            workers.remove(worker)
+
+    # -- health -----------------------------------------------------------------------------------
+    async def check(self, upstream: Upstream, worker: Worker) -> dict:
+        try:
+            status, data = await upstream.call("GET", worker.url + "/health", timeout=2.0)
+            worker.healthy = status == 200
+            worker.last_health = data if isinstance(data, dict) else {}
+            worker.routed_since_poll = 0
+            worker.load = int(worker.last_health.get("num_running", 0)) + int(worker.last_health.get("num_waiting", 0))
+            status = {"status": "ok" if worker.healthy else "error", **worker.last_health}
+        except (UpstreamError, ValueError, TypeError) as e:   # TypeError: counts that are not numbers
+            worker.healthy = False
+            self.prefix.forget(worker.url)      # it may have died: whatever it had cached is gone
+            status = {"status": "unreachable", "error": describe(e)}
+        return {**status, "url": worker.url, "role": worker.role, "in_flight": worker.in_flight,
+                **({"draining": True} if worker.draining else {})}
+
+    async def check_all(self, upstream: Upstream) -> list[dict]:
+        return await asyncio.gather(*(self.check(upstream, w) for w in self.workers))
+
+    async def poll(self, upstream: Upstream, interval: float) -> None:
+        while True:
+            await self.check_all(upstream)
+            polled, self._polled = self._polled, asyncio.Event()
+            polled.set()
+            await asyncio.sleep(interval)
+
+    async def next_poll(self) -> None:
+        """Returns once every worker has been polled again (never, with polling off)."""
+        await self._polled.wait()

@@ -1,0 +1,324 @@
+"""A prefill or decode worker: the HTTP side of the handoff (docs/HANDOFF.md).
+
+It authenticates `kv_transfer_params` and `/kv/*` with the control token, parses every body into its
+message (wire/messages.py: a malformed one is a 400 naming the field), hands each to the protocol
+side of its mode and role (connector.py), and turns a HandoffError into the HTTP error it
+names. It also gives the handoff its way to talk to other workers (HTTPControl) and its metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Callable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from prometheus_client import Counter, Gauge, Histogram
+
+from kvhandoff.engine.block_pool import hash_chain
+from kvhandoff.engine.request import RequestOutput, SamplingParams
+from kvhandoff.wire import api as P
+from kvhandoff.wire import messages as M
+from kvhandoff.wire.auth import check_control, control_headers
+from kvhandoff.wire.http import CHAT, StreamingAnswer, read_json_object
+from kvhandoff.wire.modes import ROLES
+from kvhandoff.worker.connector import Connector
+from kvhandoff.worker.reuse import lease_retained
+from kvhandoff.worker.runtime import ControlClient, HandoffError
+from kvhandoff.worker.server import RequestStream, Server
+
+
+class HTTPControl(ControlClient):
+    """The handoff's requests to other workers (/kv/info, /kv/register, /kv/retained/lease)."""
+
+    def __init__(self, secret: bytes):
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0), headers=control_headers(secret))
+
+    async def get(self, url: str, path: str) -> dict:
+        try:
+            data = (await self.http.get(url + path)).raise_for_status().json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ConnectionError(f"worker {url} unreachable: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConnectionError(f"worker {url} answered {path} with something that is not a JSON object")
+        return data
+
+    async def post(self, url: str, path: str, body: dict) -> tuple[int, object]:
+        try:
+            r = await self.http.post(url + path, json=body)
+        except httpx.HTTPError as exc:
+            raise ConnectionError(str(exc) or type(exc).__name__) from None
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, r.text[:200]
+
+
+def api_error(exc: HandoffError | M.MessageError, param: str | None = None) -> P.APIError:
+    if isinstance(exc, M.MessageError):
+        return P.APIError(400, str(exc), param=param)
+    return P.APIError(exc.status, str(exc), type="handoff_error" if exc.status >= 500 else None, code=exc.code)
+
+
+class WorkerHandoff:
+    def __init__(self, server: Server, connector: Connector, role: str, secret: bytes):
+        assert role in ROLES
+        self.server, self.connector, self.role, self.secret = server, connector, role, secret
+        self.rt = connector.rt
+        self.rt.control = HTTPControl(secret)
+        r = server.metrics.registry
+        self.handoff_seconds = Histogram("kvhandoff_handoff_seconds", "Handoff duration (this side)",
+                                         ["role"], registry=r,
+                                         buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.handoff_bytes = Histogram("kvhandoff_handoff_bytes", "KV bytes per handoff", ["role"], registry=r,
+                                       buckets=tuple(2 ** k for k in range(10, 34, 2)))
+        self.events = Counter("kvhandoff_handoff_events", "Handoff failures, lease expiries, late notifications",
+                              ["event"], registry=r)
+        self._seen = connector.counters
+        if connector.retention is not None:
+            self.retained_sessions = Gauge("kvhandoff_retained_sessions", "Conversations whose KV is kept",
+                                           registry=r)
+            self.retained_bytes = Gauge("kvhandoff_retained_bytes", "Bytes of KV kept for later turns", registry=r)
+            self.retention_events = Counter("kvhandoff_retention_events", "Retained KV: expiries, evictions, "
+                                            "superseded turns, reuse hits (reverse reads granted), lease misses "
+                                            "(asked for KV no longer held)", ["event"], registry=r)
+            self.leased_bytes = Counter("kvhandoff_retention_leased_bytes", "Bytes of retained KV granted to "
+                                        "reverse reads", registry=r)
+            self._seen_retention = dict(connector.retention.counters)
+
+    # ---- request parsing ------------------------------------------------------------------------
+    def parse(self, params: dict, request: Request) -> M.KVParams:
+        check_control(request, self.secret)
+        try:
+            kv = M.parse_params(params)
+        except M.MessageError as exc:
+            raise api_error(exc, "kv_transfer_params") from None
+        if kv.role != self.role:
+            raise P.APIError(400, f"this worker's role is {self.role}, not {kv.role}", param="kv_transfer_params.role")
+        return kv
+
+    # ---- prefill side ---------------------------------------------------------------------------
+    async def prefill(self, kv: M.KVParams, prompt_ids: list[int], params: SamplingParams,
+                      first_sse: Callable[[RequestOutput], str], started: float,
+                      on_close: Callable[[], None]) -> Response:
+        """The prefill leg's answer, JSON lines: the first token the moment it is sampled
+        (messages.FirstToken: the router streams it to the client at once), then the handoff object
+        once the KV is pinned (pull) or written (push), or the error that ended the handoff. A
+        failure before the first token is an HTTP error status instead. `on_close` runs when the
+        answer is over, however it ends."""
+        aio = asyncio.get_running_loop()
+        first: asyncio.Future[RequestOutput] = aio.create_future()
+        task = asyncio.ensure_future(self.connector.prefill_side(kv.mode).prefill(
+            kv, prompt_ids, params, on_first=lambda out: first.done() or first.set_result(out)))
+        streaming = False
+        try:
+            await asyncio.wait({first, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                try:
+                    task.result()
+                except HandoffError as exc:
+                    raise api_error(exc) from None
+                raise AssertionError("a prefill answered without its first token")
+            out = first.result()
+            t = out.timings or {}
+            phases = {"prefill_queue": t.get("queue_ms"), "prefill_compute": t.get("prefill_ms"),
+                      "prefill_worker": round((time.perf_counter() - started) * 1e3, 3)}
+            token = M.FirstToken(token_id=out.new_token_ids[0], text=out.new_text, sse=first_sse(out), phases_ms=phases)
+            line = b'{"first_token":' + M.encode(token) + b'}\n'
+            response = StreamingAnswer(self._answer(line, task), "application/x-ndjson", on_close=on_close)
+            streaming = True
+            return response
+        finally:
+            if not streaming and not task.done():
+                task.cancel()           # the router left: the side frees what it holds
+
+    async def _answer(self, first_line: bytes, task: asyncio.Task) -> AsyncIterator[bytes]:
+        try:
+            yield first_line
+            try:
+                handoff = await task
+            except HandoffError as exc:
+                yield M.encode({"error": api_error(exc).body()["error"], "status": exc.status}) + b"\n"
+                return
+            self._observe("prefill", handoff)
+            yield M.encode({"handoff": handoff}) + b"\n"
+        finally:
+            if not task.done():
+                task.cancel()           # the router hung up mid-answer: the side frees what it holds
+
+    def refused(self, kv: M.KVParams, reason: str) -> None:
+        """The prefill leg was refused before it started (backpressure): a registered decode worker
+        hears it at once and frees the blocks it reserved."""
+        self.connector.prefill_side(kv.mode).refused(kv.handoff_id, reason)
+
+    async def register(self, request: Request) -> JSONResponse:
+        body = await control_body(request, self.secret)
+        try:
+            registration = M.parse(M.Registration, body, "registration")
+            M.check_version(registration.protocol_version, "the decode worker")
+            peer = await self.rt.blocking(self.rt.ensure_peer, registration.agent_metadata)
+            self.connector.push_prefill.register(registration, peer)
+        except (M.MessageError, HandoffError) as exc:
+            raise api_error(exc) from None
+        return JSONResponse({"status": "registered"})
+
+    # ---- decode side ----------------------------------------------------------------------------
+    async def submit_decode(self, kv: M.KVParams, stream: RequestStream, prompt_ids: list[int],
+                            params: SamplingParams) -> None:
+        try:
+            await self.connector.decode_side(kv.mode).decode(kv, prompt_ids, params, stream._on_output)
+        except HandoffError as exc:
+            raise api_error(exc) from None
+        except ConnectionError as exc:
+            raise P.APIError(502, f"prefill worker {getattr(kv, 'prefill_url', '')} unreachable: {exc}",
+                             type="handoff_error") from None
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def _observe(self, role: str, handoff: dict) -> None:
+        phases = handoff.get("phases_ms") or {}
+        total = sum(v for v in phases.values() if isinstance(v, (int, float)))
+        if total:
+            self.handoff_seconds.labels(role).observe(total / 1000)
+        if handoff.get("bytes_transferred"):
+            self.handoff_bytes.labels(role).observe(handoff["bytes_transferred"])
+
+    def sync_counters(self) -> None:
+        """Fold the handoff's counters into Prometheus (called on scrape)."""
+        counters = self.connector.counters
+        for key in ("failures", "lease_expiries", "late_notifications", "verify_failures"):
+            if counters[key] > self._seen[key]:
+                self.events.labels(key).inc(counters[key] - self._seen[key])
+        self._seen = counters
+        retention = self.connector.retention
+        if retention is not None:
+            stats = retention.stats()
+            self.retained_sessions.set(stats["num_retained_sessions"])
+            self.retained_bytes.set(stats["retained_bytes"])
+            for key in ("expiries", "evictions", "superseded", "reuse_hits", "lease_misses"):
+                now = retention.counters[key]
+                if now > self._seen_retention[key]:
+                    self.retention_events.labels(key).inc(now - self._seen_retention[key])
+                    self._seen_retention[key] = now
+            now = retention.counters["leased_bytes"]
+            if now > self._seen_retention["leased_bytes"]:
+                self.leased_bytes.inc(now - self._seen_retention["leased_bytes"])
+                self._seen_retention["leased_bytes"] = now
+
+    def health(self) -> dict:
+        """What /health adds on this worker: a bidirectional prefill's reuse rates (the router's
+        three-way choice among its cache, a fetch and recomputing reads them)."""
+        reuse = self.connector.reuse
+        return {"reuse_rates": reuse.cost_model.rates()} if self.role == "prefill" and reuse.enabled else {}
+
+    def info(self) -> dict:
+        rt = self.rt
+        return {"worker": rt.worker_name, "role": self.role, "agent_metadata": rt.metadata_b64(),
+                "protocol_version": M.PROTOCOL_VERSION, "block_size": rt.block_size,
+                "block_bytes": rt.layout.block_bytes, "num_layers": rt.layout.num_layers,
+                "layer_bytes": rt.layout.layer_bytes, "dtype": str(rt.engine.dtype).removeprefix("torch."),
+                "model": rt.engine.served_name}
+
+
+async def control_body(request: Request, secret: bytes) -> dict:
+    """An authenticated /kv/* message: a JSON object, or a 400 (never a 500)."""
+    check_control(request, secret)
+    return await read_json_object(request)
+
+
+async def control_message(request: Request, secret: bytes, cls: type, what: str):
+    """An authenticated /kv/* message as its Struct, or a 400 naming the field."""
+    body = await control_body(request, secret)
+    try:
+        return M.parse(cls, body, what)
+    except M.MessageError as exc:
+        raise api_error(exc) from None
+
+
+def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
+    server, connector, secret = handoff.server, handoff.connector, handoff.secret
+    server.handoff = handoff
+
+    @app.get("/kv/info")
+    async def kv_info(request: Request):
+        check_control(request, secret)
+        return handoff.info()
+
+    @app.post("/kv/register")
+    async def kv_register(request: Request):
+        if handoff.role != "prefill":
+            raise P.APIError(400, "registrations go to prefill workers")
+        return await handoff.register(request)
+
+    @app.post("/kv/rebind")
+    async def kv_rebind(request: Request):
+        """Late-bound push, router -> prefill: the handoff goes to another decode worker (409 once its
+        WRITE has started)."""
+        message = await control_message(request, secret, M.Rebind, "/kv/rebind")
+        if handoff.role != "prefill":
+            raise P.APIError(400, "rebinds go to prefill workers")
+        try:
+            connector.push_prefill.rebind(message)
+        except HandoffError as exc:
+            raise api_error(exc) from None
+        return {"rebound": message.handoff_id, "binding": message.binding}
+
+    @app.post("/kv/release")
+    async def kv_release(request: Request):
+        """Pull, decode -> prefill (or the router): the pinned KV will not be read."""
+        message = await control_message(request, secret, M.HandoffRef, "/kv/release")
+        return {"released": connector.pull_prefill.release(message.handoff_id)}
+
+    @app.post("/kv/failed")
+    async def kv_failed(request: Request):
+        """Decode side: the router saw this handoff's prefill fail (push). Usually the prefill worker
+        says so itself over the notification channel; this path covers a prefill that died or whose
+        channel is what broke, so decode acts now instead of after --kv-timeout-s."""
+        report = await control_message(request, secret, M.KVFailed, "/kv/failed")
+        if handoff.role != "decode":
+            raise P.APIError(400, "failure reports go to decode workers")
+        return {"failed": connector.kv_failed(report)}
+
+    @app.post("/kv/cancel")
+    async def kv_cancel(request: Request):
+        """The router gave up on a handoff (its client left): free what this worker holds for it."""
+        message = await control_message(request, secret, M.HandoffRef, "/kv/cancel")
+        connector.cancel(message.handoff_id)
+        return {"cancelled": message.handoff_id}
+
+    @app.post("/kv/retained/lease")
+    async def kv_retained_lease(request: Request):
+        """Bidirectional, decode side: a prefill worker wants to READ a retained conversation's first
+        `num_blocks` blocks. Holds them in place until it reports back (or the read lease lapses)."""
+        message = await control_message(request, secret, M.LeaseRequest, "/kv/retained/lease")
+        if message.num_blocks <= 0:
+            raise P.APIError(400, "num_blocks must be a positive integer", param="num_blocks")
+        lease = await handoff.rt.blocking(lease_retained, handoff.rt, connector.retention, message)
+        if lease is None:
+            raise P.APIError(410, f"no retained KV {message.retention_id!r} with {message.num_blocks} blocks here "
+                             "(expired, evicted or never kept)", type="handoff_error", code="retained_kv_gone")
+        return lease
+
+    @app.post("/kv/retained/release")
+    async def kv_retained_release(request: Request):
+        """Bidirectional, decode side: the router says this retained conversation will not be read."""
+        message = await control_message(request, secret, M.RetainedRef, "/kv/retained/release")
+        retention = connector.retention
+        released = retention is not None and await handoff.rt.blocking(
+            lambda: handoff.rt.loop.call(lambda: retention.release(message.retention_id)).result(30))
+        return {"released": bool(released)}
+
+    @app.post("/kv/prompt")
+    async def kv_prompt(request: Request):
+        """The block hashes a request's prompt has here: the router finds a conversation's retained KV
+        by them (bidirectional, a client that names no session) and estimates prefix-cache hits."""
+        query = await control_message(request, secret, M.PromptQuery, "/kv/prompt")
+        chat = query.endpoint == CHAT
+        try:
+            parsed = (P.ChatCompletionRequest if chat else P.CompletionRequest).model_validate(query.request)
+        except ValidationError as exc:
+            raise P.APIError(400, f"not a valid request: {exc.errors()[0].get('msg')}") from None
+        ids = server.chat_prompt(parsed) if chat else server.completion_prompt(parsed)
+        hashes = hash_chain(ids, handoff.rt.block_size)
+        return {"num_tokens": len(ids), "block_size": handoff.rt.block_size, "block_hashes": [h.hex() for h in hashes]}

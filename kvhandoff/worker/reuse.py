@@ -1,0 +1,349 @@
+"""Bidirectional multi-turn reuse (docs/HANDOFF.md, "Bidirectional multi-turn reuse"), top to bottom:
+retention on the decode side, decide-and-fetch on the prefill side. Works with every mode.
+
+Decode side (Retention). A request sent with `retain` keeps its blocks when it finishes normally
+(Hold.RETAINED: the K/V of prompt and answer but the answer's last token, never computed), for the
+conversation's next turn. This module adds the policy around them: a time to live, a memory cap,
+read leases that keep an entry in place while a prefill worker READs it back, the superseding of a
+conversation's previous turn, and the counters /metrics shows. The engine evicts retained KV
+(least recently used first) whenever a request needs the blocks: running requests always win.
+
+Prefill side (ReusePrefill). The router names a candidate: where a previous turn's KV lives and the
+hash chain of its tokens. `decide` checks how much of it is truly a prefix of the new prompt (an
+edited history stops the match at the first differing block), then weighs fetching those blocks
+(bytes / measured reverse-read bandwidth, plus the measured fixed cost of a fetch) against
+recomputing the tokens this worker does not already hold (tokens / measured prefill rate). To fetch,
+the prefill asks the decode worker for a read lease (/kv/retained/lease), and submits its request
+with those tokens as remote K/V: the engine reserves blocks for them (taking what its own prefix
+cache holds), the reader thread READs the rest, verifies and unleases, and the engine computes only
+the remainder of the prompt. A fetch that fails in any way means recompute, never wrong tokens.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvhandoff.engine.block_pool import hash_chain
+from kvhandoff.engine.request import RequestOutput, RetainedKV, SamplingParams
+from kvhandoff.wire import messages as M
+from kvhandoff.wire.cost import CostModel, ReuseConfig, ReuseDecision, ReuseWay, decide
+from kvhandoff.worker.config import RetentionConfig
+from kvhandoff.worker.runtime import HandoffError, Incoming, Runtime, Side
+
+if TYPE_CHECKING:      # (the router imports this module for its router legs: no engine, no torch)
+    from kvhandoff.engine.loop import EngineLoop
+
+log = logging.getLogger("kvhandoff.handoff")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decode side: retention
+
+@dataclass
+class Session:
+    retention_id: str
+    num_tokens: int
+    num_blocks: int
+    nbytes: int
+    expiry: float                       # time.monotonic()
+    block_hashes: list[str]             # hex chain hashes of its full blocks
+
+
+class Retention:
+    """Threads: `on_retained`, `lease`, `unlease` and the engine's eviction callback run on the engine
+    thread; `expire` on the housekeeper (it only posts engine calls); `stats` on any thread."""
+
+    def __init__(self, loop: EngineLoop, cfg: RetentionConfig, block_bytes: int):
+        self.loop, self.engine, self.cfg, self.block_bytes = loop, loop.engine, cfg, block_bytes
+        self.sessions: OrderedDict[str, Session] = OrderedDict()      # least recently used first
+        self.read_leases: dict[str, tuple[str, float]] = {}           # lease id -> (retention id, expiry)
+        # reuse_hits / lease_misses: reverse reads granted / asked for KV no longer held (the hit rate a
+        # decode worker can see); leased_bytes: what those reads were granted.
+        self.counters = {"retained": 0, "expiries": 0, "evictions": 0, "superseded": 0, "reuse_hits": 0,
+                         "lease_misses": 0, "leased_bytes": 0}
+        self._lock = threading.Lock()
+        self._lease_ids = itertools.count()
+        self.engine.on_evict = self._evicted
+
+    def attach(self, rt: Runtime) -> None:
+        rt.on(M.Unlease, None, lambda peer, note, _: self.loop.call(lambda: self.unlease(note.lease_id)))
+        rt.every_tick(self.expire)
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def on_retained(self, entry: RetainedKV, supersedes: str | None) -> dict:
+        """A turn finished and the engine kept its KV: record it, drop the turn it replaces, enforce
+        the cap. Returns what the router needs to find it again."""
+        session = Session(entry.retention_id, entry.num_tokens, len(entry.block_ids),
+                          len(entry.block_ids) * self.block_bytes, time.monotonic() + self.cfg.ttl_s,
+                          [h.hex() for h in entry.block_hashes])
+        with self._lock:
+            self.sessions[session.retention_id] = session
+            self.counters["retained"] += 1
+        if supersedes and supersedes != entry.retention_id and self._release(supersedes):
+            self.counters["superseded"] += 1
+        self._enforce_cap()
+        return M.Retained(retention_id=session.retention_id, num_tokens=session.num_tokens,
+                          block_hashes=session.block_hashes, expires_in_s=self.cfg.ttl_s, bytes=session.nbytes).to_dict()
+
+    def _enforce_cap(self) -> None:
+        if self.cfg.max_bytes is None:
+            return
+        for retention_id in list(self.sessions):
+            if self.retained_bytes() <= self.cfg.max_bytes:
+                return
+            entry = self.engine.retained(retention_id)
+            if entry is not None and entry.readers > 0:
+                continue                    # being read back right now
+            if self._release(retention_id):
+                self.counters["evictions"] += 1
+
+    def _release(self, retention_id: str) -> bool:
+        """Forget an entry and free its blocks; blocks under a reverse read are freed when it ends."""
+        with self._lock:
+            known = self.sessions.pop(retention_id, None) is not None
+        entry = self.engine.retained(retention_id)
+        if entry is not None and entry.readers > 0:
+            return True                     # unlease() frees it
+        return self.engine.release(retention_id) or known
+
+    def _evicted(self, retention_id: str) -> None:
+        """The engine needed the blocks for a request (pressure eviction)."""
+        with self._lock:
+            self.sessions.pop(retention_id, None)
+        self.counters["evictions"] += 1
+
+    def lease(self, retention_id: str, num_blocks: int) -> dict | None:
+        """Hold an entry in place for a reverse read of its first `num_blocks` blocks; None if it is
+        gone (expired, evicted, superseded) or shorter than that."""
+        entry = self.engine.retained(retention_id)
+        if entry is None or not 0 < num_blocks <= len(entry.block_ids):
+            with self._lock:
+                self.counters["lease_misses"] += 1
+            return None
+        entry.readers += 1
+        self.engine.holds.touch(retention_id)              # used: evict it last
+        lease_id = f"{retention_id}:{next(self._lease_ids)}"
+        with self._lock:
+            self.sessions.move_to_end(retention_id)
+            self.read_leases[lease_id] = (retention_id, time.monotonic() + self.cfg.read_lease_s)
+            self.counters["reuse_hits"] += 1
+            self.counters["leased_bytes"] += num_blocks * self.block_bytes
+        return {"lease_id": lease_id, "block_ids": entry.block_ids[:num_blocks], "num_tokens": entry.num_tokens,
+                "lease_s": self.cfg.read_lease_s}
+
+    def unlease(self, lease_id: str) -> bool:
+        with self._lock:
+            held = self.read_leases.pop(lease_id, None)
+        if held is None:
+            return False
+        entry = self.engine.retained(held[0])
+        if entry is not None:
+            entry.readers -= 1
+            with self._lock:
+                forgotten = held[0] not in self.sessions
+            if forgotten and entry.readers == 0:        # released while it was being read
+                self.engine.release(held[0])
+        self._enforce_cap()                 # a cap deferred for the reader applies now
+        return True
+
+    def release(self, retention_id: str) -> bool:
+        """The router says the conversation moved on (or ended): drop its KV now."""
+        return self._release(retention_id)
+
+    # ---- housekeeper ----------------------------------------------------------------------------
+    def expire(self, now: float) -> None:
+        with self._lock:
+            expired = [s.retention_id for s in self.sessions.values() if s.expiry <= now]
+            lapsed = [lease_id for lease_id, (_, expiry) in self.read_leases.items() if expiry <= now]
+        for lease_id in lapsed:
+            self.loop.call(lambda lease_id=lease_id: self.unlease(lease_id))
+        for retention_id in expired:
+            self.loop.call(lambda rid=retention_id: self._expired(rid))
+
+    def _expired(self, retention_id: str) -> None:
+        entry = self.engine.retained(retention_id)
+        if entry is not None and entry.readers > 0:
+            return                          # after the read: its lease ends soon, then the next round
+        if self._release(retention_id):
+            self.counters["expiries"] += 1
+
+    # ---- any thread -----------------------------------------------------------------------------
+    def retained_bytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self.sessions.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"num_retained_sessions": len(self.sessions),
+                    "retained_bytes": sum(s.nbytes for s in self.sessions.values()),
+                    "num_retained_blocks": sum(s.num_blocks for s in self.sessions.values())}
+
+
+def lease_retained(rt: Runtime, retention: Retention | None, request: M.LeaseRequest) -> dict | None:
+    """Decode side, blocking (an executor thread): hold a retained entry for a reverse read and say
+    where its blocks are, with their checksums (messages.ReadLease); None if it is gone."""
+    if retention is None:
+        return None
+    lease = rt.loop.call(lambda: retention.lease(request.retention_id, request.num_blocks)).result(rt.cfg.kv_timeout_s)
+    if lease is None:
+        return None
+    # Safe off the engine thread: a leased entry's blocks are neither freed nor written.
+    return M.ReadLease(checksums=rt.checksums(lease["block_ids"]), agent_metadata=rt.metadata_b64(),
+                       **lease).to_dict()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prefill side: decide, and fetch
+
+class ReusePrefill(Side):
+    """Reads retained history back for a prefill (its requests' remote K/V)."""
+
+    def __init__(self, rt: Runtime, cfg: ReuseConfig, enabled: bool):
+        super().__init__(rt)
+        self.cfg, self.enabled = cfg, enabled
+        self.cost_model = CostModel()
+
+    async def prepare(self, handoff_id: str, candidate: M.ReuseCandidate | None,
+                      prompt_ids: list[int]) -> tuple[Incoming | None, ReuseDecision]:
+        """Decide; to fetch, take a read lease on the decode worker. Returns the fetch (None: compute
+        everything here) and the decision so far. Any failure here means recompute."""
+        if candidate is None or not self.enabled:
+            why = "no retained history named" if candidate is None else "this worker runs without --bidirectional"
+            return None, ReuseDecision(ReuseWay.NONE, why)
+        rt, engine = self.rt, self.rt.engine
+        hashes = hash_chain(prompt_ids, rt.block_size)
+        decision, blocks = decide(self.cfg, self.cost_model, len(prompt_ids), hashes, candidate, rt.block_size,
+                                  rt.layout.block_bytes, engine.pool.cached_prefix_len(hashes))
+        if not blocks:
+            return None, decision
+        started = time.monotonic()
+        try:
+            lease = await self._lease(candidate, blocks)
+            peer = await rt.blocking(rt.ensure_peer, lease.agent_metadata)
+        except HandoffError as exc:
+            decision.decision, decision.reason = ReuseWay.RECOMPUTE, f"fetch failed, recomputed: {exc}"
+            return None, decision
+        fetch = Incoming(f"fetch:{handoff_id}", blocks * rt.block_size, request_id=handoff_id, side=self, peer=peer,
+                         remote_blocks=lease.block_ids[:blocks], checksums=lease.checksums[:blocks],
+                         expects_first_token=False)
+        fetch.extra.update(lease_id=lease.lease_id, started=started)
+        return fetch, decision
+
+    async def _lease(self, candidate: M.ReuseCandidate, num_blocks: int) -> M.ReadLease:
+        try:
+            status, body = await self.rt.control.post(candidate.decode_url, "/kv/retained/lease",
+                                                      {"retention_id": candidate.retention_id, "num_blocks": num_blocks})
+        except ConnectionError as exc:
+            raise HandoffError(f"decode worker {candidate.decode_url} unreachable: {exc}", 502) from None
+        if status != 200:
+            raise HandoffError(f"decode worker {candidate.decode_url} has no such retained KV any more ({status})", 410)
+        try:
+            lease = M.parse(M.ReadLease, body, "read lease")
+        except M.MessageError as exc:
+            raise HandoffError(f"decode worker {candidate.decode_url} answered a malformed {exc}", 502) from None
+        if len(lease.block_ids) < num_blocks or len(lease.checksums) < num_blocks:
+            raise HandoffError(f"the read lease covers {len(lease.block_ids)} blocks, not {num_blocks}", 502)
+        return lease
+
+    def reserved(self, fetch: Incoming, request, num_local_tokens: int) -> None:
+        """Engine thread: blocks for the history are reserved (those this engine's prefix cache held
+        need not travel): READ the rest on the reader thread."""
+        fetch.block_ids, fetch.reserved_at = list(request.block_table), time.monotonic()
+        fetch.skip_blocks = num_local_tokens // self.rt.block_size
+        fetch.remote_blocks, fetch.checksums = fetch.remote_blocks[fetch.skip_blocks:], fetch.checksums[fetch.skip_blocks:]
+        fetch.transfer_started = time.monotonic()
+        self.rt.reader.put(lambda: self._read(fetch))
+
+    def _read(self, fetch: Incoming) -> None:
+        layout = self.rt.layout
+        try:
+            handle = self.rt.agent.read(fetch.peer, layout.block_descs(fetch.transferred_blocks),
+                                        layout.block_descs(fetch.remote_blocks))
+            handle.wait(self.rt.cfg.kv_timeout_s)
+            fetch.bytes = handle.nbytes
+            done = time.monotonic()
+            fetch.transfer_s = done - fetch.transfer_started
+            self.rt.arrived(fetch)
+            if fetch.failure is None:
+                self.cost_model.observe_fetch(fetch.bytes, fetch.transfer_s, done - fetch.extra["started"])
+        except Exception as exc:
+            self.rt.fail(fetch, f"reverse read from {fetch.peer} failed: {exc!r}", recompute=True)
+        finally:
+            self._unlease(fetch)
+
+    def finished(self, fetch: Incoming | None) -> None:
+        """The prefill ended: a fetch it never got to (cancelled while queued) lets its lease go."""
+        if fetch is not None and self.rt.table.claim(fetch.handoff_id, "the prefill ended first", fetch):
+            self._unlease(fetch)
+
+    def _unlease(self, fetch: Incoming) -> None:
+        lease_id = fetch.extra.pop("lease_id", None)
+        if lease_id is not None:
+            self.rt.notify(fetch.peer, M.Unlease(lease_id=lease_id))
+
+    def report(self, fetch: Incoming | None, decision: ReuseDecision) -> dict:
+        """The reuse fields of the prefill's handoff object."""
+        report = {"reused_tokens": 0, "reverse_bytes": 0}
+        if fetch is not None and fetch.failure is not None:
+            decision.decision, decision.reason = ReuseWay.RECOMPUTE, f"fetch failed, recomputed: {fetch.failure}"
+        elif fetch is not None:     # reused: what came from the decode worker (not what was cached here)
+            report.update(reused_tokens=len(fetch.transferred_blocks) * self.rt.block_size, reverse_bytes=fetch.bytes)
+            decision.fetch_ms = round((fetch.ready_at - fetch.extra["started"]) * 1e3, 3) if fetch.ready_at else None
+        report["reuse_decision"] = decision.report()
+        return report
+
+
+class FetchingPrefill(Side):
+    """What the prefill ends of pull and push share: the prompt computed (after reading history back,
+    with --bidirectional), the prefill rate measured for the cost model, a failed prompt reported."""
+
+    def __init__(self, rt: Runtime, reuse: ReusePrefill):
+        super().__init__(rt)
+        self.reuse = reuse
+
+    async def compute(self, job, kv, prompt_ids: list[int], params: SamplingParams) -> tuple[RequestOutput, dict]:
+        """(the prefill-only request's final output, the reuse fields of the answer); HandoffError if
+        it did not complete."""
+        job.fetch, decision = await self.reuse.prepare(kv.handoff_id, kv.reuse, prompt_ids)
+        remote = 0
+        if job.fetch is not None:
+            self.rt.table.add(job.fetch.handoff_id, job.fetch)
+            remote = job.fetch.num_kv_tokens
+        try:
+            out = await self.rt.compute(self, job, kv.handoff_id, prompt_ids, params, remote_tokens=remote)
+        except ValueError as exc:
+            self.reuse.finished(job.fetch)
+            self.refused(kv.handoff_id, str(exc))
+            raise HandoffError(str(exc), 400) from None
+        except BaseException:                # cancelled (the router went away): free what we hold
+            self.reuse.finished(job.fetch)
+            self.cancel(job)
+            raise
+        if out.finish_reason != "prefilled":
+            if getattr(job, "failed", None):            # ended by the other side (its agent died)
+                raise HandoffError(job.failed, 502)
+            raise HandoffError(f"prefill did not complete: {out.error or out.finish_reason}",
+                               500 if out.finish_reason == "error" else 503)
+        report = self.reuse.report(job.fetch, decision)
+        # The engine counts fetched blocks as cached once they land; what its own cache served is the rest.
+        report["prefill_cached_tokens"] = out.num_cached_tokens - report["reused_tokens"]
+        return out, report
+
+    def reserved(self, job, request, num_local_tokens: int) -> None:
+        self.reuse.reserved(job.fetch, request, num_local_tokens)
+
+    def observe(self, out: RequestOutput) -> None:
+        computed = out.num_prompt_tokens - out.num_cached_tokens
+        self.reuse.cost_model.observe_prefill(computed, out.num_cached_tokens, (out.timings.get("prefill_ms") or 0) / 1e3)
+
+    def refused(self, handoff_id: str, reason: str) -> None:
+        """The prefill leg was refused before it started (busy, invalid)."""
+        self.rt.table.claim(handoff_id, f"the prefill worker refused the request: {reason}")
+
+    def cancel(self, job) -> None:
+        raise NotImplementedError
