@@ -119,14 +119,18 @@ class FakeWorker:
             if kv.get("role") == "prefill":
                 if fake.get("no_handoff"):
                     return {"id": "x", "choices": []}
+                # The prefill's answer of its mode (messages.PullHandoff / PushPrefillAnswer): the router
+                # parses it strictly, as it parses a real worker's.
                 phases = {"prefill_queue": 1.0, "prefill_compute": 2.0}
                 if kv["mode"].startswith("push"):
                     phases |= {"handoff_wait": 3.0, "transfer": 4.0}
+                    return {"handoff": {"handoff_id": hid, "prefill_worker": "fake-prefill", "num_kv_tokens": 2,
+                                        "blocks": 1, "phases_ms": phases}}
                 return {"handoff": {"handoff_id": hid, "prefill_worker": "fake-prefill", "prompt_token_ids": [1, 2, 3],
-                                    "num_kv_tokens": 2, "block_ids": [0], "checksums": ["c"], "lease_ms": 5000,
-                                    "phases_ms": phases}}
-            handoff = {"handoff_id": hid, "mode": kv.get("mode"), "decode_worker": "fake-decode",
-                       "bytes_transferred": 4096, "blocks": 1, "reused_tokens": 0,
+                                    "num_kv_tokens": 2, "block_ids": [0], "checksums": [7], "agent_metadata": "",
+                                    "lease_ms": 5000, "phases_ms": phases}}
+            handoff = {"handoff_id": hid, "mode": kv.get("mode"), "decode_worker": "fake-decode",       # DecodeReport
+                       "bytes_transferred": 4096, "blocks": 1, "decode_cached_tokens": 0, "kv_source": "remote",
                        "phases_ms": {"handoff_wait": 5.0, "transfer": 6.0, "decode_queue": 7.0, "first_step": 8.0}}
             words = fake.get("words", ["a", "b", "c"])
             if not body.get("stream"):
