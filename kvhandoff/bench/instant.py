@@ -39,6 +39,7 @@ def event(obj: dict, note: M.EventNote | None = None) -> bytes:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
+    count(request)
     body = msgspec.json.decode(await request.read())
     kv = body.get("kv_transfer_params") or {}
     chat = request.path.endswith("/chat/completions")
@@ -101,11 +102,19 @@ def report(rid: str, kv: dict) -> dict:
             "phases_ms": {"handoff_wait": 0.0, "transfer": 0.0, "decode_queue": 0.0, "first_step": 0.0}}
 
 
+def count(request: web.Request) -> None:
+    """Requests served, by path: the router benchmark reports how many each client request cost."""
+    counts = request.app["counts"]
+    counts[request.path] = counts.get(request.path, 0) + 1
+
+
 async def ok(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "role": request.app["role"], "num_running": 0, "num_waiting": 0})
+    return web.json_response({"status": "ok", "role": request.app["role"], "num_running": 0, "num_waiting": 0,
+                              "served": request.app["counts"]})
 
 
 async def control(request: web.Request) -> web.Response:
+    count(request)
     await request.read()
     return web.json_response({})
 
@@ -113,6 +122,7 @@ async def control(request: web.Request) -> web.Response:
 def app(role: str) -> web.Application:
     application = web.Application()
     application["role"] = role
+    application["counts"] = {}
     application.router.add_post("/v1/completions", generate)
     application.router.add_post("/v1/chat/completions", generate)
     application.router.add_get("/health", ok)

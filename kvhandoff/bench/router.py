@@ -46,6 +46,7 @@ class Result:
     cpu_ms_per_request: float
     requests_per_s: float
     failed: int
+    worker_calls: dict[str, float]          # requests the workers served per client request, by role and path
 
     @property
     def added_p50(self) -> float:
@@ -54,6 +55,16 @@ class Result:
     @property
     def added_p99(self) -> float:
         return self.ttft_p99 - self.direct_ttft_p99
+
+
+async def served(urls: dict[str, str]) -> dict[str, int]:
+    """What the instant workers have served so far, by role and path."""
+    counts = {}
+    async with aiohttp.ClientSession() as session:
+        for role in ("prefill", "decode"):
+            async with session.get(urls[role] + "/health") as r:
+                counts |= {f"{role} {path}": n for path, n in (await r.json())["served"].items()}
+    return counts
 
 
 def cpu_seconds(pid: int) -> float:
@@ -151,11 +162,13 @@ async def bench_mode(mode: str, args, out: Path) -> Result:
         await load(urls["router"], body, 200, args.concurrency)                        # warm-up
         ttft, e2e = await latencies(urls["router"], body, args.latency_requests)
         direct, _ = await latencies(urls["decode"], body, args.latency_requests)
-        cpu_before = cpu_seconds(router.pid)
+        cpu_before, served_before = cpu_seconds(router.pid), await served(urls)
         seconds, failed = await load(urls["router"], body, args.requests, args.concurrency)
         cpu = cpu_seconds(router.pid) - cpu_before
+        calls = {k: round((n - served_before.get(k, 0)) / args.requests, 3) for k, n in (await served(urls)).items()}
         return Result(mode, statistics.median(ttft), pct(ttft, 0.99), statistics.median(e2e), statistics.median(direct),
-                      pct(direct, 0.99), cpu * 1e3 / args.requests, args.requests / seconds, failed)
+                      pct(direct, 0.99), cpu * 1e3 / args.requests, args.requests / seconds, failed,
+                      {k: v for k, v in calls.items() if v})
     finally:
         for proc in procs:
             proc.terminate()
@@ -189,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.mode:<15}{r.cpu_ms_per_request:>11.2f}{1000 / r.cpu_ms_per_request:>13.0f}{r.requests_per_s:>8.0f}"
               f"{r.ttft_p50:>10.2f}{r.ttft_p99:>8.2f}{r.direct_ttft_p50:>11.2f}{r.added_p50:>10.2f}{r.added_p99:>8.2f}"
               f"{r.failed:>7}")
+    for r in results:
+        print(f"  {r.mode}: worker requests per client request: "
+              + ", ".join(f"{k} {v:g}" for k, v in sorted(r.worker_calls.items())))
     (args.out / "results.json").write_text(json.dumps([r.__dict__ | {"added_p50": r.added_p50, "added_p99": r.added_p99}
                                                        for r in results], indent=1))
     return 0 if not any(r.failed for r in results) else 1

@@ -44,6 +44,36 @@ class Sent:
     followed: bool = True               # every event so far carried a note: the tokens are known
 
 
+class Deadline:
+    """The router's deadline over one stream's waits on its workers, one timer for the whole stream
+    (an asyncio.timeout around each event cost ~15 us of the router's CPU, 19 times a request: a tenth
+    of what routing a streamed request costs). The timer cancels the stream's task only while it
+    waits on a worker (`waiting`), never while it writes to the client; a wait begun after it fired
+    ends at once."""
+
+    def __init__(self, when: float):
+        self.task = asyncio.current_task()
+        self.waiting = self.expired = False
+        self.timer = asyncio.get_running_loop().call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self.waiting:
+            self.task.cancel()
+
+    def begin(self) -> None:
+        if self.expired:
+            raise TimeoutError
+        self.waiting = True
+
+    def fired(self) -> bool:
+        """After a CancelledError in a wait: was it this deadline's (and no other cancel pending)?"""
+        return self.expired and self.task.uncancel() == 0
+
+    def close(self) -> None:
+        self.timer.cancel()
+
+
 class Follow:
     """One client stream across the attempt's decode answers (a retry's, a migration's)."""
 
@@ -57,12 +87,20 @@ class Follow:
 
     async def run(self) -> AsyncIterator[str]:
         attempt, timeout_s = self.attempt, self.attempt.config.request_timeout
+        deadline = Deadline(attempt.deadline)
         try:
             while True:
                 try:
-                    async with asyncio.timeout_at(attempt.deadline):
+                    try:
+                        deadline.begin()
                         kind, item = await self.next()
                         text = await self.handle(kind, item)
+                    except asyncio.CancelledError:
+                        if not deadline.fired():
+                            raise
+                        raise TimeoutError from None
+                    finally:
+                        deadline.waiting = False
                 except TimeoutError:
                     attempt.status = "504"
                     log.warning("handoff %s: the stream did not end within --request-timeout %g s (%s)",
@@ -91,6 +129,7 @@ class Follow:
                 if kind == "first":
                     attempt.first_relayed.set()
         finally:
+            deadline.close()
             attempt.first_relayed.set()
             if self.pending is not None:
                 self.pending.cancel()
@@ -179,7 +218,8 @@ class Follow:
         attempt.first_token_ms, attempt.first_from_prefill = attempt.ms(), from_prefill
         attempt.phase = Phase.STREAMING
         self.sent.head = True
-        attempt.router.metrics.ttft.labels(attempt.mode.value).observe(attempt.first_token_ms / 1e3)
+        metrics = attempt.router.metrics
+        metrics.child(metrics.ttft, attempt.mode.value).observe(attempt.first_token_ms / 1e3)
 
     def flush(self) -> str:
         held, self.held = "".join(self.held), []
