@@ -18,7 +18,8 @@ def costs(**changes) -> Costs:
     """Two decode workers, the second ten times slower per step; 10 ms prompts."""
     base = dict(label="synthetic", mode="push", prefill_ms=Linear(2.0, 0.01), transfer_ms=Linear(0.5, 1.0),
                 step_ms={"fast": Linear(1.0, 0.1), "slow": Linear(10.0, 0.1)}, handoff_wait_ms=0.5, admission_ms=0.3,
-                first_token_ms={"fast": [2.0, 3.0], "slow": [12.0]}, kv_bytes_per_token=2048.0,
+                first_token_ms=[1.0, 1.5], second_token_ms={"fast": [2.0, 3.0], "slow": [12.0]},
+                kv_bytes_per_token=2048.0,
                 prefill_workers=["p"], decode_workers=["fast", "slow"], decode_policy="round-robin", poll_s=0.05,
                 prompt_tokens=[100, 400, 800], output_tokens=[16, 32, 64])
     return Costs(**{**base, **changes})
@@ -105,8 +106,10 @@ def test_behind_a_link_the_transfer_is_bytes_over_rate_and_layer_wise_push_hides
                   prompt_tokens=[1000], output_tokens=[8])
     jobs = lambda: [Job(i, i * 1.0, 1000, 8) for i in range(4)]     # a second apart: nothing queues
     send_ms = lambda gbit: 1000 * 2048 * 8 / (gbit * 1e9) * 1e3
+    pulls = {}
     for gbit in (1.0, 0.1):
-        pull = Fleet(fixed, 1, 2, "round-robin", "late", link=Link(gbit * 1e9, layerwise=True, layers=10)).run(jobs())
+        pull = pulls[gbit] = Fleet(fixed, 1, 2, "round-robin", "late", link=Link(gbit * 1e9, layerwise=True,
+                                                                                 layers=10)).run(jobs())
         push = Fleet(fixed, 1, 2, "round-robin", "early", link=Link(gbit * 1e9, layerwise=True, layers=10)).run(jobs())
         whole = Fleet(fixed, 1, 2, "round-robin", "early", link=Link(gbit * 1e9, layerwise=False)).run(jobs())
         for d in pull + whole:
@@ -114,6 +117,12 @@ def test_behind_a_link_the_transfer_is_bytes_over_rate_and_layer_wise_push_hides
         tail = max(send_ms(gbit) / 10, send_ms(gbit) + 20.0 / 10 - 20.0)     # the link starts after layer 1
         for d in push:
             assert d["phases_ms"]["transfer"] == pytest.approx(tail + 0.5, rel=1e-6)
+    # The first token comes from the prefill's answer (protocol 5): a slower link leaves TTFT alone and
+    # delays the second token, which TPOT (first token to last) carries.
+    for fast, slow in zip(pulls[1.0], pulls[0.1]):
+        assert fast["ttft_ms"] == pytest.approx(slow["ttft_ms"], rel=1e-9)
+        extra = (send_ms(0.1) - send_ms(1.0)) / (8 - 1)
+        assert slow["tpot_ms"] == pytest.approx(fast["tpot_ms"] + extra, rel=1e-6)
     # Prompts back to back on one prefill worker share its link: the second one's KV waits for the first's.
     # (A step budget of one whole prompt: each is computed in a step of its own, one after the other.)
     burst = [Job(i, 0.0, 1000, 8) for i in range(2)]

@@ -7,17 +7,20 @@ From one measured point of a disaggregated stack:
   beside it, pro rata): the cost of an engine step's tokens;
 - transfer: the `transfer` phase as a linear function of the bytes moved;
 - decode: per decode worker, ms per step as a linear function of the sequences it stepped with. A
-  request's TPOT is its mean step time; the sequences beside it are counted from the other requests'
-  decode windows on the same worker (the client-side timestamps), averaged over its own window;
+  request's step time is the mean gap between its tokens after the second; the sequences beside it
+  are counted from the other requests' decode windows on the same worker (the client-side
+  timestamps), averaged over its own window;
 - fixed costs: the median `prefill_queue` of requests that found their prefill worker idle (HTTP and
-  admission: what a request waits even with nobody ahead of it), the median of `handoff_wait`, and
-  per decode worker the median of what the first token
-  takes beyond the phases (HTTP hops, the decode worker emitting the token it was handed: a slow
-  worker emits it a step later);
+  admission: what a request waits even with nobody ahead of it), the median of `handoff_wait`;
+- the two first tokens (protocol 5, issue 24): the first reaches the client from the prefill's
+  answer, so what it takes beyond the prompt's computation (the hops and the relay; more when its
+  text was held back for the decode worker's) is measured per request; the second comes from the
+  decode worker's first step once the KV has landed (`decode_queue` + `first_step`), per decode
+  worker (a slow worker steps later);
 - the workload's shape: prompt and output lengths as sampled, bytes of KV per prompt token;
 - the spread around those lines, as measured: per request, its prefill time less the fitted one (a
   busy core adds milliseconds, not percent), its TPOT over the fitted one (a ratio: it scales every
-  step), and what its first token took beyond the phases; the simulator draws from
+  step), and the delays of its first two tokens; the simulator draws from
   these, seeded, so that it reproduces percentiles and medians of mixtures, not just the lines;
 - the fleet: its prefill and decode workers, decode policy, late binding and poll interval, as the
   router's /health reported them when the point started, and the emulated link its launch spec
@@ -68,7 +71,8 @@ class Costs:
     step_ms: dict[str, Linear]               # decode worker URL -> ms per step, per sequence in its batch
     handoff_wait_ms: float
     admission_ms: float                      # prefill_queue with nobody ahead
-    first_token_ms: dict[str, list[float]]   # decode worker URL -> TTFT beyond the phases, as measured
+    first_token_ms: list[float]              # the prompt computed -> the client's first token, as measured
+    second_token_ms: dict[str, list[float]]  # decode worker URL -> the KV landed -> its first step done
     kv_bytes_per_token: float
     prefill_workers: list[str]
     decode_workers: list[str]
@@ -81,6 +85,9 @@ class Costs:
     computed_tokens: list[int] = field(default_factory=list)            # of each prompt, what its prefill computed
     prefill_spread: list[float] = field(default_factory=list)           # measured - fitted prefill window, ms
     step_spread: dict[str, list[float]] = field(default_factory=dict)    # decode worker URL -> TPOT / fitted
+    # arrival at the router -> the prefill worker's engine has the request (the router's dispatch, the
+    # way there, parsing and tokenizing), as measured; the first token's delay is counted after it
+    ingress_ms: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -114,6 +121,21 @@ def usable(row: dict) -> bool:
     return (row["ok"] and row.get("sent_s") is not None and row.get("tpot_ms") is not None
             and h.get("kv_source") == "remote"
             and all(phase(row, p) is not None for p in ("prefill_queue", "prefill_compute", "transfer")))
+
+
+def ingress_ms(row: dict) -> float:
+    """The part of the first token's way before the prefill's engine has it (TTFT phases, issue 24):
+    the router's dispatch, half the hops, and the prefill worker's own time outside its queue and
+    compute (mostly parsing and tokenizing). 0 for a run whose handoff objects lack them."""
+    return (phase(row, "router_dispatch") or 0) + (phase(row, "prefill_hops") or 0) / 2 + (phase(row, "prefill_request") or 0)
+
+
+def step_time(row: dict) -> float:
+    """Its decode worker's time per step while it was in the batch: the mean gap between its tokens
+    after the second (the gap to the second is the transfer's and the first step's, drawn apart);
+    its TPOT where the client saw too few tokens to tell."""
+    gaps = (row.get("itl_ms") or [])[1:]
+    return statistics.fmean(gaps) if gaps else row["tpot_ms"]
 
 
 def batch_sizes(rows: list[dict]) -> list[float]:
@@ -183,26 +205,28 @@ def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
     sizes = batch_sizes(mine)
     steps = {}
     for url in decode:
-        on = [(b, r["tpot_ms"]) for b, r in zip(sizes, mine) if r["handoff"]["decode_worker"] == url]
+        on = [(b, step_time(r)) for b, r in zip(sizes, mine) if r["handoff"]["decode_worker"] == url]
         if on:
             steps[url] = Linear.fit([b for b, _ in on], [t for _, t in on])
     for url in decode:              # a worker that served none of these: taken as the typical one
         steps.setdefault(url, Linear(statistics.median(f.a for f in steps.values()),
                                      statistics.median(f.b for f in steps.values())))
-    beyond = {url: [r["ttft_ms"] - sum(phase(r, p) or 0 for p in ("prefill_queue", "prefill_compute",
-                                                                   "handoff_wait", "transfer"))
+    ingress = [ingress_ms(r) for r in mine]
+    first = [max(0.0, r["ttft_ms"] - before - sum(phase(r, p) or 0 for p in ("prefill_queue", "prefill_compute")))
+             for r, before in zip(mine, ingress)]
+    second = {url: [max(0.0, sum(phase(r, p) or 0 for p in ("decode_queue", "first_step")))
                     for r in mine if r["handoff"]["decode_worker"] == url] for url in decode}
-    typical = [statistics.median(v for values in beyond.values() for v in values)]
+    typical = [statistics.median(v for values in second.values() for v in values)]
     work = prefill_work(mine, computed)
     prefill_ms = Linear.fit(work, [phase(r, "prefill_compute") for r in mine])
-    spread = {url: [r["tpot_ms"] / steps[url](b) for b, r in zip(sizes, mine)
+    spread = {url: [step_time(r) / steps[url](b) for b, r in zip(sizes, mine)
                     if r["handoff"]["decode_worker"] == url and steps[url](b) > 0] or [1.0] for url in decode}
     return Costs(
         label=label, mode=mine[0]["handoff"]["mode"],
         prefill_ms=prefill_ms,
         transfer_ms=Linear.fit(mib, [phase(r, "transfer") for r in mine]), step_ms=steps,
         handoff_wait_ms=statistics.median(phase(r, "handoff_wait") or 0 for r in mine), admission_ms=admission(mine),
-        first_token_ms={url: [max(0.0, x) for x in (v or typical)] for url, v in beyond.items()},
+        first_token_ms=first, second_token_ms={url: v or typical for url, v in second.items()}, ingress_ms=ingress,
         prefill_spread=[phase(r, "prefill_compute") - prefill_ms(w) for r, w in zip(mine, work)],
         step_spread=spread,
         # per prompt token, as the replay charges it (a decode worker's own prefix cache may have spared some)

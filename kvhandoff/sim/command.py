@@ -119,8 +119,10 @@ def print_costs(costs: Costs) -> None:
           f"transfer = {costs.transfer_ms.a:.2f} ms + {costs.transfer_ms.b:.2f} ms per MiB; "
           f"handoff_wait {costs.handoff_wait_ms:.2f} ms; {costs.kv_bytes_per_token / 1024:.2f} KiB of KV per token")
     for url, step in costs.step_ms.items():
-        print(f"  decode {url}: step = {step.a:.2f} ms + {step.b:.3f} ms per sequence; first token "
-              f"+{statistics.median(costs.first_token_ms[url]):.2f} ms (median) after the KV landed")
+        print(f"  decode {url}: step = {step.a:.2f} ms + {step.b:.3f} ms per sequence; second token "
+              f"+{statistics.median(costs.second_token_ms[url]):.2f} ms (median) after the KV landed")
+    print(f"  first token: +{statistics.median(costs.first_token_ms):.2f} ms (median) after the prompt was computed "
+          "(from the prefill's answer)")
 
 
 def main(args: argparse.Namespace) -> int:

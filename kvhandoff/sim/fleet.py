@@ -13,8 +13,10 @@ random.Random). What it models, and what it leaves out:
   binding (push) a request is moved once at a poll that finds its worker fallen behind, before its
   prompt is computed. `load` and late binding read a snapshot taken every poll interval, as the
   router does; the router's own in-flight counts are exact;
-- after the prompt: handoff_wait (median), the transfer, then the first token reaches the client after
-  its decode worker's fitted delay, and from then on the request is in that worker's batch. The
+- after the prompt: the first token reaches the client after a measured delay (it comes from the
+  prefill's answer: protocol 5), while the KV moves (handoff_wait, the median, then the transfer);
+  once it has landed, the decode worker's first step makes the second token after a measured delay
+  of that worker, and from then on the request is in that worker's batch. The
   transfer is the fitted one (on bytes, as the calibration run moved them: concurrent transfers do
   not slow each other), or behind a `Link` of a given rate: bytes / rate through the prefill worker's
   one link, which its transfers take in turn (the decode side's links are taken as never the
@@ -25,8 +27,8 @@ random.Random). What it models, and what it leaves out:
   size, one token per sequence per step; a worker of a scaled fleet takes the costs of the real
   worker at its index modulo the real count (a slow one stays slow, in the same share);
 - the spread the calibration run measured is drawn per request (seeded): its prefill time is the
-  fitted one plus a measured residual, its TPOT the fitted one times a measured ratio, its first
-  token's delay a measured one. (A
+  fitted one plus a measured residual, its TPOT the fitted one times a measured ratio, its first two
+  tokens' delays measured ones. (A
   request's drawn TPOT ratio stretches its own timeline only: its seat in the batch frees when the
   fitted steps are done, so the batch dynamics stay the fitted ones.)
 """
@@ -58,7 +60,10 @@ class Job:
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     landed: float = 0.0
-    first_token: float = 0.0
+    ingress: float = 0.0                # arrival -> the prefill worker has it (s)
+    egress: float = 0.0                 # a token made -> at the client (s)
+    first_token: float = 0.0            # at the client
+    second_step: float = 0.0            # the decode worker's first step done (its clock)
     end: float = 0.0
     steps_left: int = 0
     tpot_scale: float = 1.0
@@ -74,7 +79,7 @@ class Job:
                 "output_tokens": self.output_tokens, "prefill_worker": self.prefill, "decode_worker": self.decode,
                 "moved_from": self.moved_from,
                 "ttft_ms": 1e3 * (self.first_token - self.arrival_s), "tpot_ms": None if tpot is None else 1e3 * tpot,
-                "phases_ms": {"prefill_queue": 1e3 * (self.prefill_start - self.arrival_s),
+                "phases_ms": {"prefill_queue": 1e3 * (self.prefill_start - self.arrival_s - self.ingress),
                               "prefill_compute": 1e3 * (self.prefill_end - self.prefill_start),
                               "handoff_wait": costs.handoff_wait_ms,
                               "transfer": 1e3 * (self.landed - self.prefill_end) - costs.handoff_wait_ms}}
@@ -83,7 +88,7 @@ class Job:
 @dataclass
 class Decoder:
     step: Linear
-    first_token_ms: list[float]      # landed -> the first token at the client, as measured
+    second_token_ms: list[float]     # landed -> its first step done (the second token), as measured
     spread: list[float]              # TPOT / fitted TPOT, as measured
     running: list[Job] = field(default_factory=list)
     joining: list[Job] = field(default_factory=list)
@@ -115,7 +120,7 @@ class Fleet:
         assert self.binding in BINDINGS and self.policy in POLICIES, (self.binding, self.policy)
         self.poll_s = poll_s or costs.poll_s
         self.rng = random.Random(seed)
-        real = [(costs.step_ms[url], costs.first_token_ms[url], costs.step_spread.get(url) or [1.0])
+        real = [(costs.step_ms[url], costs.second_token_ms[url], costs.step_spread.get(url) or [1.0])
                 for url in costs.decode_workers]
         self.decoders = [Decoder(*real[i % len(real)]) for i in range(num_decode)]
         self.prefill_queues: list[list[Job]] = [[] for _ in range(num_prefill)]
@@ -198,7 +203,8 @@ class Fleet:
                           key=lambda i: (len(self.prefill_queues[i]) + self.prefill_busy[i], i))
         if self.binding != "late":
             self.bind(job, self.pick_decode())
-        self.at(self.now + self.costs.admission_ms / 1e3, self.admitted, job)
+        job.ingress = self.rng.choice(self.costs.ingress_ms) / 1e3 if self.costs.ingress_ms else 0.0
+        self.at(self.now + job.ingress + self.costs.admission_ms / 1e3, self.admitted, job)
 
     def admitted(self, job: Job) -> None:
         job.to_prefill = max(1, job.computed_tokens)
@@ -233,6 +239,8 @@ class Fleet:
 
     def prefilled(self, job: Job) -> None:
         job.prefill_end = self.now
+        job.egress = self.rng.choice(self.costs.first_token_ms) / 1e3
+        job.first_token = self.now + job.egress
         if self.binding == "late":
             self.bind(job, self.pick_decode())
         mib = job.prompt_tokens * self.costs.kv_bytes_per_token / 2**20
@@ -258,14 +266,19 @@ class Fleet:
         job.landed = self.now
         d = self.decoders[job.decode]
         job.tpot_scale = self.rng.choice(d.spread)
-        self.at(self.now + self.rng.choice(d.first_token_ms) / 1e3, self.first, job)
+        if job.output_tokens <= 1:          # the first token was the whole answer
+            self.finish(d, job, job.first_token)
+            return
+        self.at(self.now + self.rng.choice(d.second_token_ms) / 1e3, self.second, job)
 
-    def first(self, job: Job) -> None:
-        job.first_token = self.now
-        job.steps_left = job.output_tokens - 1
+    def second(self, job: Job) -> None:
+        """The decode worker's first step made the second token; the rest come a step each. Each
+        reaches the client the way the first did (worker -> router -> client: the job's egress), never
+        before the first (the router holds them until it has sent that)."""
+        job.second_step, job.steps_left = self.now, job.output_tokens - 2
         d = self.decoders[job.decode]
         if job.steps_left <= 0:
-            self.finish(d, job, self.now)
+            self.finish(d, job, max(self.now + job.egress, job.first_token))
             return
         d.joining.append(job)
         if not d.stepping:
@@ -285,7 +298,8 @@ class Fleet:
             job.steps_left -= 1
             if job.steps_left == 0:
                 d.running.remove(job)
-                self.finish(d, job, job.first_token + job.tpot_scale * (self.now - job.first_token))
+                end = job.second_step + job.egress + job.tpot_scale * (self.now - job.second_step)
+                self.finish(d, job, max(end, job.first_token))
         self.step(d)
 
     def finish(self, d: Decoder, job: Job, end: float) -> None:
