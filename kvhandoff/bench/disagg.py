@@ -164,6 +164,14 @@ async def run_isolated(bench: Bench, client: httpx.AsyncClient) -> list[Sample]:
     return samples
 
 
+def step_ms(result: RequestResult) -> float | None:
+    """The mean gap between tokens after the second: the decode worker's step, without the gap to
+    the second token (since issue 24 the transfer and the decode's first step, as TPOT now carries
+    them: the first token leaves before them)."""
+    times = result.token_times_ms
+    return (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else None
+
+
 def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[int]) -> dict:
     out = {}
     for length in lengths:
@@ -174,6 +182,8 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
             ttft_x = [s.result.ttft_ms / base[s.round].result.ttft_ms for s in mine if s.round in base]
             tpot_x = [s.result.tpot_ms / base[s.round].result.tpot_ms for s in mine
                       if s.round in base and s.result.tpot_ms and base[s.round].result.tpot_ms]
+            step_x = [step_ms(s.result) / step_ms(base[s.round].result) for s in mine
+                      if s.round in base and step_ms(s.result) and step_ms(base[s.round].result)]
             phases = {p: med([(s.result.handoff or {}).get("phases_ms", {}).get(p) for s in mine])
                       for p in (*PHASES, *TTFT_PHASES)}
             path = [sum(((s.result.handoff or {}).get("phases_ms") or {}).get(p) or 0 for p in TTFT_PHASES) / s.result.ttft_ms
@@ -184,7 +194,7 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
                                               and not s.result.ok),
                 "prompt_tokens": med([s.result.prompt_tokens for s in mine]),
                 "ttft_ms": med([s.result.ttft_ms for s in mine]), "tpot_ms": med([s.result.tpot_ms for s in mine]),
-                "ttft_x_colocated": med(ttft_x), "tpot_x_colocated": med(tpot_x),
+                "ttft_x_colocated": med(ttft_x), "tpot_x_colocated": med(tpot_x), "step_x_colocated": med(step_x),
                 # what the handoff adds to the client's TTFT (median of per-round differences), how long
                 # the second token follows the first, and how much of the TTFT the phases account for
                 "ttft_delta_ms": med([s.result.ttft_ms - base[s.round].result.ttft_ms for s in mine if s.round in base]),
@@ -230,10 +240,12 @@ def isolated_goals(summary: dict) -> list[dict]:
                     abs(1 - row["ttft_accounted"]) <= 1 - GOAL_ACCOUNTED)
         for name in DISAGG_MODES:
             row = rows.get(name)
-            if row and row["tpot_x_colocated"] is not None:
-                # "no worse": within 2%, the run-to-run noise of a median TPOT on this machine
-                add(f"{name} TPOT / colocated-1core TPOT", row["tpot_x_colocated"], 1.02,
-                    row["tpot_x_colocated"] <= 1.02)
+            if row and row.get("step_x_colocated") is not None:
+                # "no worse": within 2%, the run-to-run noise of a median TPOT on this machine. Measured
+                # after the second token: TPOT also carries the gap to it (the transfer, the decode's
+                # first step), which the first token leaving early moved out of TTFT (2nd tok column).
+                add(f"{name} decode step (after the 2nd token) / colocated-1core's", row["step_x_colocated"], 1.02,
+                    row["step_x_colocated"] <= 1.02)
         # (Issue 4's goal that push's TTFT beat pull's is gone with issue 24 too: neither first token waits
         # for the transfer any more, so what is left between them is the prefill's own noise.)
         for name, row in rows.items():         # behind an emulated link, against the same mode on the free one
