@@ -158,7 +158,7 @@ class WorkerHandoff:
         try:
             registration = M.parse(M.Registration, body, "registration")
             M.check_version(registration.protocol_version, "the decode worker")
-            peer = await self.rt.blocking(self.rt.ensure_peer, registration.agent_metadata)
+            peer = await self.rt.peer(registration.agent_metadata)
             self.connector.push_prefill.register(registration, peer)
         except (M.MessageError, HandoffError) as exc:
             raise api_error(exc) from None

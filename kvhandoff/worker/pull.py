@@ -133,7 +133,7 @@ class PullDecode(DecodeSide):
             raise HandoffError("the handoff object lacks a valid first_token_id", 400)
         if len(remote.checksums) != len(remote.block_ids):
             raise HandoffError("the handoff object has a checksum per block, or it is malformed", 400)
-        peer = await self.rt.blocking(self.rt.ensure_peer, remote.agent_metadata)
+        peer = await self.rt.peer(remote.agent_metadata)
         incoming = Incoming(kv.handoff_id, len(prompt_ids), peer=peer, mode=kv.mode, remote_blocks=list(remote.block_ids),
                             checksums=list(remote.checksums), first_token=remote.first_token_id)
         self.submit(kv, incoming, prompt_ids, params, on_output)

@@ -388,7 +388,7 @@ class PushDecode(DecodeSide):
         if peer is None:
             info = await self.rt.control.get(url, "/kv/info")
             try:
-                peer = await self.rt.blocking(self.rt.ensure_peer, info["agent_metadata"])
+                peer = await self.rt.peer(info["agent_metadata"])
             except HandoffError as exc:     # it answered /kv/info and died before the handshake: name it
                 raise HandoffError(f"prefill worker {url}: {exc}", exc.status, exc.code) from None
             self._prefill_peers[url] = peer

@@ -224,7 +224,7 @@ class ReusePrefill(Side):
         started = time.monotonic()
         try:
             lease = await self._lease(candidate, blocks)
-            peer = await rt.blocking(rt.ensure_peer, lease.agent_metadata)
+            peer = await rt.peer(lease.agent_metadata)
         except HandoffError as exc:
             decision.decision, decision.reason = ReuseWay.RECOMPUTE, f"fetch failed, recomputed: {exc}"
             return None, decision

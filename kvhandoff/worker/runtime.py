@@ -267,6 +267,7 @@ class Runtime:
         self._timers: list[Callable[[float], None]] = []
         self._peer_lost: list[Callable[[str, str], None]] = []
         self._peer_locks: dict[str, threading.Lock] = {}
+        self._peer_names: dict[str, str] = {}           # agent metadata (base64) -> its name, once connected
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.writer, self.reader = DueQueue("kvh-writer"), DueQueue("kvh-reader")
@@ -336,6 +337,20 @@ class Runtime:
         return bool(self._events)
 
     # ---- peers and notifications ----------------------------------------------------------------
+    async def peer(self, metadata_b64: str) -> str:
+        """The connected agent `metadata_b64` describes (asyncio): a known one at once, a new one after
+        its handshake on an executor thread. (Every handoff names its peer: the hop to a thread and back
+        cost each one a thread wake-up and two GIL hand-offs, on the prefill's own core, while its
+        prompt computed.)"""
+        name = self._peer_names.get(metadata_b64)
+        if name is not None and name in self.agent.peers:
+            return name
+        name = await self.blocking(self.ensure_peer, metadata_b64)
+        if len(self._peer_names) > 1024:        # (metadata of agents long gone)
+            self._peer_names.clear()
+        self._peer_names[metadata_b64] = name
+        return name
+
     def ensure_peer(self, metadata_b64: str) -> str:
         """Connect to (and authenticate) the agent described by `metadata_b64`. Blocking: call it
         from an executor, never the engine thread. Concurrent first requests to one peer wait for a
