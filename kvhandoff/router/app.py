@@ -113,7 +113,6 @@ class RouterMetrics:
                                ["mode", "outcome"], registry=r)
         self.in_flight = Gauge("kvhandoff_router_worker_in_flight", "Requests in flight per worker",
                                ["role", "worker"], registry=r)
-
         # Labelled children, looked up once: .labels() (validation, a lock) on ~20 samples a request
         # was a measurable share of the router's CPU.
         self.children: dict[tuple, object] = {}
@@ -139,7 +138,7 @@ class Router:
         self.config, self.mode = config, config.mode
         self.metrics = RouterMetrics()
         self.pool = WorkerPool(config.prefill_urls, config.decode_urls,
-                               on_change=lambda w: self.metrics.child(self.metrics.in_flight, w.role, w.url).set(w.in_flight),
+                               on_change=self.count_in_flight,
                                decode_policy=config.decode_policy, prefill_policy=config.prefill_policy)
         self.leg = legs.pull if self.mode.is_pull else legs.push
         self.auth = control_headers(config.secret)
@@ -175,6 +174,9 @@ class Router:
                 log.log(logging.WARNING if worker.healthy else logging.INFO, "handoff %s: %s on %s failed: %s",
                         body.get("handoff_id") or body.get("retention_id"), path, worker.url, describe(e))
         self.spawn(send())
+
+    def count_in_flight(self, worker: Worker) -> None:
+        self.metrics.child(self.metrics.in_flight, worker.role, worker.url).set(worker.in_flight)
 
     def merged(self, attempt: Attempt, merged: M.ClientHandoff, retained: M.Retained | None) -> None:
         """An attempt's handoff object is complete: count its phases, remember where its KV stays."""
