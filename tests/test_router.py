@@ -771,7 +771,7 @@ def check_first_token_early(url: str, mode: str, cases: list, expected: list) ->
     with httpx.Client(timeout=120) as client:
         answers = [ids_and_text(url, endpoint, body, stream, client) for endpoint, body in cases
                    for stream in (False, True)]
-    sources = []
+    sources, outside = [], []       # outside: (client TTFT - the phases' sum, that sum, which request)
     for (endpoint, body), got, want, stream in zip([c for c in cases for _ in (0, 1)], answers, expected,
                                                    [False, True] * len(cases)):
         what = f"{mode} {endpoint} stream={stream} max_tokens={body['max_tokens']} stop={body.get('stop')}"
@@ -801,11 +801,16 @@ def check_first_token_early(url: str, mode: str, cases: list, expected: list) ->
         path = sum(phases[p] for p in ("router_dispatch", "prefill_hops", "prefill_request", "prefill_queue",
                                        "prefill_compute", "relay"))
         assert abs(path - timings["ttft_ms"]) < 0.05, (what, phases, timings)
-        # The client's TTFT adds only its own hops to the router (send, parse, the chunk's way back):
-        # under a millisecond on an idle machine (the benchmark reports it); loose here, where CI's
-        # load can keep this client from a core for milliseconds, but a phase gone missing shows.
-        assert path <= got["ttft_ms"] <= path + max(0.25 * path, 3.0), (what, path, got["ttft_ms"], phases)
+        assert path <= got["ttft_ms"], (what, path, got["ttft_ms"], phases)
+        outside.append((got["ttft_ms"] - path, path, what))
     assert sources.count("prefill") >= len(sources) / 2, sources
+    # The client's TTFT adds only its own hops to the router (send, parse, the chunk's way back): under a
+    # millisecond on an idle machine (the benchmark reports it). A phase gone missing would show in every
+    # request, so the median is checked: CI's load can keep this client from a core for milliseconds
+    # once (seen: 8.7 ms over a 12 ms path, in one request of a full run).
+    if outside:
+        gap, path, what = sorted(outside)[len(outside) // 2]
+        assert gap <= max(0.25 * path, 3.0), (what, path, gap, outside)
 
 
 @pytest.mark.parametrize("mode", ["pull", "pull-reader", "push", "push-layerwise"])
