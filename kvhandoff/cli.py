@@ -23,6 +23,8 @@ from kvhandoff.wire.modes import COLOCATED, ROLES, DecodePolicy, FailurePolicy, 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DECODE_POLICIES = tuple(p.value for p in DecodePolicy)
 PREFILL_POLICIES = tuple(p.value for p in PrefillPolicy)
+REUSE_POLICIES = tuple(p.value for p in ReusePolicy)
+FAILURE_POLICIES = tuple(p.value for p in FailurePolicy)
 # transfer.agent.BACKENDS, spelled out so that a router's process never loads the transfer layer (a
 # test keeps them equal).
 KV_BACKENDS = ("auto", "shm", "tcp", "nixl")
@@ -112,7 +114,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="pull: seconds prefill keeps a prompt's KV for the decode side (default: %(default)s)")
     g.add_argument("--kv-timeout-s", type=float, default=30.0,
                    help="push: seconds either side waits for the other (default: %(default)s)")
-    g.add_argument("--kv-load-failure-policy", default="recompute", choices=[p.value for p in FailurePolicy],
+    g.add_argument("--kv-load-failure-policy", default="recompute", choices=FAILURE_POLICIES,
                    help="decode side, when KV cannot be loaded or fails verification (default: %(default)s)")
     g.add_argument("--inject-faults", default=None, metavar="SPEC",
                    help="TESTING ONLY: make this worker's transfers fail or slow, its notifications vanish, or "
@@ -129,7 +131,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "requests always evict retained KV when they need blocks) (default: no cap of its own)")
     g.add_argument("--reuse-min-tokens", type=int, default=64,
                    help="prefill: never fetch fewer tokens than this (those its own prefix cache lacks) (default: %(default)s)")
-    g.add_argument("--reuse-policy", default="cost", choices=[p.value for p in ReusePolicy],
+    g.add_argument("--reuse-policy", default="cost", choices=REUSE_POLICIES,
                    help="prefill: fetch only when the cost model says it beats recomputing, or whenever above "
                         "the floor (default: %(default)s)")
 
@@ -371,7 +373,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         add_policy_args(up_flags)
         for flag in ("--bidirectional", "--retry-colocated", "--no-prefix-caching"):
             up_flags.add_argument(flag, action="store_true")
-        up_flags.add_argument("--reuse-policy", choices=[p.value for p in ReusePolicy])
+        up_flags.add_argument("--reuse-policy", choices=REUSE_POLICIES)
         up_flags.add_argument("--link", type=link_rate)
         up_flags.add_argument("--retention-ttl", type=positive_float)
         try:

@@ -57,7 +57,7 @@ from kvhandoff.wire.modes import COLOCATED, NAMES, Mode
 DISAGG_MODES = NAMES
 BASELINE_1CORE, BASELINE_2CORE = "colocated-1core", "colocated-2core"
 # Goals of issue 4 (isolated requests).
-GOAL_LAYERWISE_TTFT_X = 1.03      # issue 24: push-layerwise TTFT <= 1.03x colocated-one-core (issue 4: 1.10), slow prefill
+GOAL_LAYERWISE_TTFT_X = 1.03      # issue 24, slow prefill: push-layerwise TTFT <= 1.03x colocated-one-core
 GOAL_TTFT_DELTA_MS = 3.0          # issue 24: a disaggregated TTFT at most 3 ms over colocated-one-core's (p50) ...
 FAST_PREFILL_MS = 100.0           # ... where the prefill is fast (colocated TTFT under this); on a slower one,
                                   # pull within its own transfer of colocated (the tiny model and SmolLM2 on CPU)

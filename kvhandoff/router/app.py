@@ -130,7 +130,7 @@ class RouterMetrics:
         if merged.router_ms is not None:
             self.child(self.phase, mode, "router").observe(merged.router_ms / 1e3)
         if merged.bytes_transferred is not None:
-            self.bytes.labels(mode).inc(merged.bytes_transferred)
+            self.child(self.bytes, mode).inc(merged.bytes_transferred)
 
 
 class Router:

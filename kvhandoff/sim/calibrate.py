@@ -127,7 +127,8 @@ def ingress_ms(row: dict) -> float:
     """The part of the first token's way before the prefill's engine has it (TTFT phases, issue 24):
     the router's dispatch, half the hops, and the prefill worker's own time outside its queue and
     compute (mostly parsing and tokenizing). 0 for a run whose handoff objects lack them."""
-    return (phase(row, "router_dispatch") or 0) + (phase(row, "prefill_hops") or 0) / 2 + (phase(row, "prefill_request") or 0)
+    return ((phase(row, "router_dispatch") or 0) + (phase(row, "prefill_hops") or 0) / 2
+            + (phase(row, "prefill_request") or 0))
 
 
 def step_time(row: dict) -> float:

@@ -40,7 +40,6 @@ from kvhandoff.transfer.tcp import Channel, Inbound, Server, client_handshake, c
 log = logging.getLogger(__name__)
 
 
-
 class Backend(StrEnum):
     """How an agent moves bytes (`--kv-backend`)."""
     AUTO = "auto"           # shm to a peer on this host (when it can map our segments), tcp otherwise

@@ -15,7 +15,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
-
 class APIError(Exception):
     """An error the client caused (4xx) or should hear about, in OpenAI's error shape."""
 
