@@ -150,9 +150,10 @@ def test_workers_join_and_leave_a_running_router(tmp_path):
         clash = httpx.post(admin, headers=ADMIN, json={"role": "decode", "url": prefill.url}, timeout=10)
         assert clash.status_code == 409 and "prefill worker" in clash.json()["error"]["message"]
 
-        # A slow request is on the first decode worker when the second joins and the first leaves.
+        # A slow request is on the first decode worker when the second joins and the first leaves. (5 s:
+        # `kvhandoff workers add` is a new Python process, which took over 2 s on a loaded 2-core machine.)
         slow = ThreadPoolExecutor(1).submit(httpx.post, router.url + "/v1/completions", timeout=30,
-                                            json={"prompt": "slow", "max_tokens": 4, "fake": {"decode": {"delay": 2.0}}})
+                                            json={"prompt": "slow", "max_tokens": 4, "fake": {"decode": {"delay": 5.0}}})
         wait_until(lambda: any(c["body"].get("prompt") == "slow" for calls in first.calls.values() for c in calls),
                    "the slow request never reached the first decode worker")
         added = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "workers", "add", "--router", router.url,

@@ -3,9 +3,11 @@ per handoff whatever races, an engine thread that never waits on the network, th
 only once everything exists, counters that count under concurrency."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+import httpx
 import pytest
 
 from kvhandoff.config import EngineConfig
@@ -17,6 +19,7 @@ from kvhandoff.wire import messages as M
 from kvhandoff.wire.modes import Mode
 from kvhandoff.worker.config import HandoffConfig
 from kvhandoff.worker.connector import Connector
+from kvhandoff.worker.handoff import HTTPControl
 from kvhandoff.worker.runtime import Counters, Incoming
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -147,7 +150,6 @@ def test_a_cancel_racing_the_prompts_end_leaves_nothing_pinned(worker, mode):
     blocks come back. (The engine thread checked that the handoff was still in flight, then pinned;
     a cancel in between saw nothing pinned yet, aborted a request that had just finished, and the pin
     stayed for good: a pinned handoff left after a backpressure flood, in CI.)"""
-    import asyncio
     import random
 
     loop, connector, _ = worker
@@ -187,3 +189,25 @@ def test_a_cancel_racing_the_prompts_end_leaves_nothing_pinned(worker, mode):
         time.sleep(0.05)
     stats = loop.stats()
     assert stats["num_pinned_handoffs"] == 0 and stats["num_free_blocks"] == baseline, stats
+
+
+@pytest.mark.parametrize("raised", [
+    AttributeError("'NoneType' object has no attribute 'getpeername'"),    # anyio, a socket closed mid-connect
+    httpx.ConnectError("All connection attempts failed"), ConnectionResetError(104, "Connection reset by peer")])
+def test_a_worker_dying_under_a_control_request_is_a_connection_error(raised):
+    """Whatever the HTTP stack raises when the other worker dies under a control request, the caller
+    gets a ConnectionError naming the worker (the decode side answers 502 or recomputes), never an
+    exception that reaches the client as a 500. The AttributeError is what a CI run met: a push
+    prefill worker SIGKILLed while a decode worker connected for its /kv/info."""
+    def die(request: httpx.Request) -> httpx.Response:
+        raise raised
+    control = HTTPControl(b"runtime-test-secret")
+    control.http = httpx.AsyncClient(transport=httpx.MockTransport(die))
+
+    async def both() -> None:
+        with pytest.raises(ConnectionError, match="worker http://127.0.0.1:9 unreachable"):
+            await control.get("http://127.0.0.1:9", "/kv/info")
+        with pytest.raises(ConnectionError):
+            await control.post("http://127.0.0.1:9", "/kv/register", {"handoff_id": "h"})
+        await control.http.aclose()
+    asyncio.run(both())

@@ -30,8 +30,17 @@ from kvhandoff.worker.runtime import ControlClient, HandoffError
 from kvhandoff.worker.server import RequestStream, Server
 
 
+# What a request to another worker can raise when that worker dies under it. Besides httpx's own
+# errors, its transport leaks others: a socket that a SIGKILLed peer closed while httpcore was still
+# connecting gave an AttributeError from anyio ('NoneType' object has no attribute 'getpeername'),
+# which reached the client as a 500 (a CI run, a prefill worker killed mid-flood). A dead peer is a
+# connection failure, whatever the library calls it.
+TRANSPORT_FAILURES = (httpx.HTTPError, OSError, AttributeError, RuntimeError)
+
+
 class HTTPControl(ControlClient):
-    """The handoff's requests to other workers (/kv/info, /kv/register, /kv/retained/lease)."""
+    """The handoff's requests to other workers (/kv/info, /kv/register, /kv/retained/lease). Every
+    failure to get an answer is a ConnectionError naming the worker."""
 
     def __init__(self, secret: bytes):
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0), headers=control_headers(secret))
@@ -39,8 +48,8 @@ class HTTPControl(ControlClient):
     async def get(self, url: str, path: str) -> dict:
         try:
             data = (await self.http.get(url + path)).raise_for_status().json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise ConnectionError(f"worker {url} unreachable: {exc}") from None
+        except (*TRANSPORT_FAILURES, ValueError) as exc:
+            raise ConnectionError(f"worker {url} unreachable: {describe(exc)}") from None
         if not isinstance(data, dict):
             raise ConnectionError(f"worker {url} answered {path} with something that is not a JSON object")
         return data
@@ -48,12 +57,16 @@ class HTTPControl(ControlClient):
     async def post(self, url: str, path: str, body: dict) -> tuple[int, object]:
         try:
             r = await self.http.post(url + path, json=body)
-        except httpx.HTTPError as exc:
-            raise ConnectionError(str(exc) or type(exc).__name__) from None
+        except TRANSPORT_FAILURES as exc:
+            raise ConnectionError(describe(exc)) from None
         try:
             return r.status_code, r.json()
         except ValueError:
             return r.status_code, r.text[:200]
+
+
+def describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
 
 
 def api_error(exc: HandoffError | M.MessageError, param: str | None = None) -> P.APIError:

@@ -385,7 +385,9 @@ class PushDecode(DecodeSide):
 
     async def _prefill_peer(self, url: str) -> str:
         peer = self._prefill_peers.get(url)
-        if peer is None:
+        # A worker restarted at the same URL has a new agent: a cached name whose connection died
+        # would send our Cancels nowhere and never hear of the new one's death.
+        if peer is None or peer not in self.rt.agent.peers:
             info = await self.rt.control.get(url, "/kv/info")
             try:
                 peer = await self.rt.peer(info["agent_metadata"])
@@ -413,6 +415,11 @@ class PushDecode(DecodeSide):
             self.aio.call_soon_threadsafe(asyncio.ensure_future, self._register(incoming, url, registration))
 
     async def _register(self, incoming: Incoming, url: str, registration: M.Registration) -> None:
+        if self.rt.table.get(incoming.handoff_id) is not incoming:
+            # Ended before its registration went out (the router reported the prefill failed, or
+            # cancelled): nobody will be asked to write into these blocks, so none stay set aside.
+            self.rt.settle(incoming.request_id)
+            return
         try:
             status, body = await self.rt.control.post(url, "/kv/register", registration.to_dict())
         except ConnectionError as exc:
