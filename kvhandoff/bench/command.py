@@ -8,16 +8,16 @@ import random
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from kvhandoff.bench import workload as W
-from kvhandoff.bench.client import completion_body, random_text, stream_completion
+from kvhandoff.bench.client import completion_body, get_json, open_session, random_text, stream_completion
 from kvhandoff.bench.harness import Point, run_meta, run_point, write_outputs
 from kvhandoff.bench.meta import log
 from kvhandoff.bench.stack import Stack, cpu_seconds, stop_on_signal
 from kvhandoff.wire.modes import STACK_MODES
 
-TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=None)
+READ_TIMEOUT_S = 900.0
 WORKLOADS = ("grid", "binding", "multiturn")          # generated; anything else is a file to replay
 LAUNCH_FLAGS = ("bidirectional", "retry-colocated", "late-binding", "no-prefix-caching")
 # NAME=VALUE; link: a rate only (its delay would need a comma, which separates the specs)
@@ -48,17 +48,15 @@ class BenchError(Exception):
     """Something the user must fix (unreachable target, bad workload file): one clear line, no traceback."""
 
 
-async def served_model(client: httpx.AsyncClient, url: str) -> dict:
+async def served_model(client: aiohttp.ClientSession, url: str) -> dict:
     try:
-        r = await client.get(url + "/v1/models", timeout=10.0)
-        r.raise_for_status()
-        return r.json()["data"][0]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        return (await get_json(client, url + "/v1/models", timeout_s=10.0))["data"][0]
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise BenchError(f"{url} does not answer GET /v1/models like an OpenAI-compatible server: "
                          f"{type(exc).__name__}: {exc}") from None
 
 
-async def calibrate(client: httpx.AsyncClient, url: str, model: str, output_tokens: int) -> dict:
+async def calibrate(client: aiohttp.ClientSession, url: str, model: str, output_tokens: int) -> dict:
     """Words per token of the generated text, and one long request's TTFT and TPOT on this target."""
     probe = await stream_completion(client, url, completion_body(model, random_text(random.Random(-1), 1024), 32))
     if not probe.ok or not probe.prompt_tokens:
@@ -75,7 +73,7 @@ def auto_longest(cal: dict, output_tokens: int, max_model_len: int) -> int:
     return max(256, min(longest, max_model_len - output_tokens - 8))
 
 
-async def capacity(client: httpx.AsyncClient, url: str, model: str, args, words_per_token: float) -> float:
+async def capacity(client: aiohttp.ClientSession, url: str, model: str, args, words_per_token: float) -> float:
     """Requests per second the target completes given a burst from the grid's length mix."""
     items = W.grid(args.seed + 7919, args.capacity_requests, 1e9, args.shortest, args.longest, words_per_token,
                    args.output_tokens)
@@ -115,8 +113,8 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
         label = mode if load is None else f"{mode}@{load[0]:g}x"
         point = Point(label, mode, url, rate, items)
         try:        # what the target says it runs (ours: model, dtype, block size, prefix caching, roles)
-            point.server = (await client.get(url + "/health", timeout=10.0)).json()
-        except (httpx.HTTPError, ValueError):
+            point.server = await get_json(client, url + "/health", timeout_s=10.0)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             point.server = None
         log(f"{label}: {len(items)} requests")
         pids = stack.pids() if stack is not None else []
@@ -133,14 +131,14 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
     return points
 
 
-async def sample_decode_load(client: httpx.AsyncClient, url: str, point: Point, every_s: float = 0.5) -> None:
+async def sample_decode_load(client: aiohttp.ClientSession, url: str, point: Point, every_s: float = 0.5) -> None:
     """While the point runs: the sequences each decode worker holds (running, waiting, waiting for
     KV) and the bytes of KV it retains for later turns, from a router's /health every `every_s` (a
     target that is not our router: nothing)."""
     while True:
         try:
-            health = (await client.get(url + "/health", timeout=5.0)).json()
-        except (httpx.HTTPError, ValueError):
+            health = await get_json(client, url + "/health", timeout_s=5.0)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             return
         workers = [w for w in health.get("workers") or [] if w.get("role") == "decode"] if isinstance(health, dict) else []
         if not workers:
@@ -157,7 +155,7 @@ async def amain(args, stacks: list[Stack]) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     args.out.mkdir(parents=True, exist_ok=True)
     points: list[Point] = []
-    async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=None)) as client:
+    async with open_session(READ_TIMEOUT_S) as client:
         if args.target:
             targets = [("target", args.target.rstrip("/").removesuffix("/v1"))]
         else:

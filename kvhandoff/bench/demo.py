@@ -30,10 +30,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from kvhandoff.bench import disagg
-from kvhandoff.bench.client import completion_body, stream_completion
+from kvhandoff.bench.client import completion_body, get_json, open_session, stream_completion
 from kvhandoff.bench.meta import cpu_model, git_commit, log
 from kvhandoff.bench.plots import stacked_phases
 from kvhandoff.bench.stack import Stack, stop_on_signal
@@ -123,7 +123,7 @@ def wanted_link(link: str) -> tuple[bool, str]:
     return True, link
 
 
-async def calibrate(bench: disagg.Bench, client: httpx.AsyncClient, stack: Stack, startup_s: float) -> Calibration:
+async def calibrate(bench: disagg.Bench, client: aiohttp.ClientSession, stack: Stack, startup_s: float) -> Calibration:
     await disagg.calibrate(bench, client, stack)
     probes = []
     for i in range(2):              # the first warms the engine up; the second is measured
@@ -132,7 +132,7 @@ async def calibrate(bench: disagg.Bench, client: httpx.AsyncClient, stack: Stack
         if not result.ok or not result.tpot_ms:
             raise RuntimeError(f"calibration request to {stack.name} failed: {result.error or 'no timing'}")
         probes.append(result)
-    health = (await client.get(stack.url + "/health")).json()
+    health = await get_json(client, stack.url + "/health")
     cal = Calibration(startup_s=startup_s, prefill_ms_per_token=probes[-1].ttft_ms / probes[-1].prompt_tokens,
                       step_ms=probes[-1].tpot_ms, kv_bytes_per_token=health["block_bytes"] / health["block_size"],
                       words_per_token=bench.words_per_token)
@@ -174,8 +174,7 @@ async def run(bench: disagg.Bench, budget_s: float, started: float, link: str) -
                              "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                              "pinning": "colocated-1core: core 0, 1 thread; disaggregated: prefill core 0, decode "
                                         "core 1, 1 thread each; routers unpinned"}}
-    timeout = httpx.Timeout(connect=10.0, read=600.0, write=60.0, pool=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+    async with open_session() as client:
         try:
             one_core = bench.stack(disagg.BASELINE_1CORE, COLOCATED, "0")
             t0 = time.monotonic()

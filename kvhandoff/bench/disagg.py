@@ -39,11 +39,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from kvhandoff.bench.client import (
     RequestResult,
     completion_body,
+    open_session,
     percentile,
     random_text,
     stream_completion,
@@ -114,7 +115,7 @@ def start_stacks(stacks: list[Stack]) -> None:
         raise
 
 
-async def measure(client: httpx.AsyncClient, stack: Stack, body: dict) -> tuple[RequestResult, float, float | None]:
+async def measure(client: aiohttp.ClientSession, stack: Stack, body: dict) -> tuple[RequestResult, float, float | None]:
     pids = stack.pids()
     wait_before, loadavg = core_wait_ns(pids), os.getloadavg()[0]
     result = await stream_completion(client, stack.url, body)
@@ -122,7 +123,7 @@ async def measure(client: httpx.AsyncClient, stack: Stack, body: dict) -> tuple[
     return result, loadavg, (waited_ms / result.e2e_ms if result.e2e_ms else None)
 
 
-async def calibrate(bench: Bench, client: httpx.AsyncClient, stack: Stack) -> None:
+async def calibrate(bench: Bench, client: aiohttp.ClientSession, stack: Stack) -> None:
     """Words per token of our prompt text, from what the server counts (also the first warm-up)."""
     words = 400
     body = completion_body(bench.model, random_text(random.Random(-1), words), 2)
@@ -136,7 +137,7 @@ async def calibrate(bench: Bench, client: httpx.AsyncClient, stack: Stack) -> No
 # ---------------------------------------------------------------------------------------------------
 # Isolated requests
 
-async def run_isolated(bench: Bench, client: httpx.AsyncClient) -> list[Sample]:
+async def run_isolated(bench: Bench, client: aiohttp.ClientSession) -> list[Sample]:
     args = bench.args
     names = [BASELINE_1CORE, *args.modes,
              *(f"{m}@{link}" for link in args.links if link != FREE for m in args.modes)]
@@ -273,7 +274,7 @@ class Arrival:
     prompt: str
 
 
-async def measure_capacity(bench: Bench, client: httpx.AsyncClient, stack: Stack) -> float:
+async def measure_capacity(bench: Bench, client: aiohttp.ClientSession, stack: Stack) -> float:
     """Requests per second the stack completes when given a burst: completed / makespan."""
     args = bench.args
     rng = random.Random(f"{args.seed}-capacity")
@@ -299,7 +300,7 @@ def poisson_schedule(bench: Bench, rate: float) -> list[Arrival]:
     return arrivals
 
 
-async def run_schedule(bench: Bench, client: httpx.AsyncClient, stack: Stack, arrivals: list[Arrival]) -> list[Sample]:
+async def run_schedule(bench: Bench, client: aiohttp.ClientSession, stack: Stack, arrivals: list[Arrival]) -> list[Sample]:
     t0 = time.perf_counter()
     pids = stack.pids()
     wait_before = core_wait_ns(pids)
@@ -323,7 +324,7 @@ async def run_schedule(bench: Bench, client: httpx.AsyncClient, stack: Stack, ar
     return list(samples)
 
 
-async def run_loaded(bench: Bench, client: httpx.AsyncClient) -> tuple[dict, list[Sample]]:
+async def run_loaded(bench: Bench, client: aiohttp.ClientSession) -> tuple[dict, list[Sample]]:
     args = bench.args
     base = bench.stacks[BASELINE_2CORE]
     log(f"capacity of {base.name}: a burst of {args.capacity_requests} requests")
@@ -474,8 +475,7 @@ async def amain(bench: Bench) -> dict:
     linked = [bench.stack(f"{m}@{link}", m, "0,1", "--link", link)
               for link in args.links if link != FREE for m in args.modes] if not args.skip_isolated else []
     samples: list[Sample] = []
-    timeout = httpx.Timeout(connect=10.0, read=600.0, write=60.0, pool=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+    async with open_session() as client:
         try:
             if not args.skip_isolated:
                 one_core = bench.stack(BASELINE_1CORE, COLOCATED, "0")

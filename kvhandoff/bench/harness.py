@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from kvhandoff.bench import plots
@@ -54,7 +54,7 @@ class Point:
     retained: list = field(default_factory=list)    # (s, {decode worker: bytes of retained KV}), likewise
 
 
-async def run_point(client: httpx.AsyncClient, point: Point, model: str) -> None:
+async def run_point(client: aiohttp.ClientSession, point: Point, model: str) -> None:
     """Send every item of the point at its time; fill point.results in item order."""
     results: list[RequestResult | None] = [None] * len(point.items)
     answered = [asyncio.Event() for _ in point.items]

@@ -31,11 +31,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from kvhandoff.bench.client import (
     RequestResult,
     completion_body,
+    get_json,
+    get_text,
+    open_session,
     random_text,
     stream_completion,
 )
@@ -94,22 +97,22 @@ def make_stacks(args, caching: str, launch: int = 0) -> dict[str, Stack]:
     return stacks
 
 
-async def retained_bytes(client: httpx.AsyncClient, stack: Stack) -> dict:
+async def retained_bytes(client: aiohttp.ClientSession, stack: Stack) -> dict:
     """The decode worker's retained KV as it reports it (/metrics) and as its pool shows it (/health)."""
-    health = (await client.get(stack.url + "/health", timeout=10)).json()
+    health = await get_json(client, stack.url + "/health", timeout_s=10.0)
     decode = next(w for w in health["workers"] if w["role"] == "decode")
-    metrics = (await client.get(decode["url"] + "/metrics", timeout=10)).text
+    metrics = await get_text(client, decode["url"] + "/metrics", timeout_s=10.0)
     m = re.search(r"^kvhandoff_retained_bytes (\S+)$", metrics, re.M)
     return {"t": time.time(), "reported_bytes": float(m[1]) if m else None, "num_retained": decode.get("num_retained"),
             "held_bytes": decode.get("num_retained_blocks", 0) * decode.get("block_bytes", 0),
             "num_blocks_in_use": decode["num_blocks"] - decode["num_free_blocks"]}
 
 
-async def sample_retention(client: httpx.AsyncClient, stack: Stack, into: list, stop: asyncio.Event) -> None:
+async def sample_retention(client: aiohttp.ClientSession, stack: Stack, into: list, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             into.append(await retained_bytes(client, stack))
-        except (httpx.HTTPError, ValueError, StopIteration, KeyError):
+        except (aiohttp.ClientError, TimeoutError, ValueError, StopIteration, KeyError):
             pass
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
@@ -126,7 +129,7 @@ class Conversation:
     new_texts: list[str]
     prompt: str = ""
 
-    async def turn(self, client: httpx.AsyncClient, model: str, args, turn: int) -> dict:
+    async def turn(self, client: aiohttp.ClientSession, model: str, args, turn: int) -> dict:
         self.prompt = (self.prompt + " " + self.new_texts[turn - 1]).strip()
         result: RequestResult = await stream_completion(client, self.stack.url,
                                                         completion_body(model, self.prompt, args.answer_tokens))
@@ -145,7 +148,7 @@ class Conversation:
                 "phases_ms": h.get("phases_ms"), "text": result.text}
 
 
-async def play(client: httpx.AsyncClient, stacks: dict[str, Stack], model: str, args, conversation: int,
+async def play(client: aiohttp.ClientSession, stacks: dict[str, Stack], model: str, args, conversation: int,
                words_per_token: float) -> list[dict]:
     """One conversation on both stacks, turn by turn: each turn on one stack then the other (which
     goes first alternates), then --think-s; so the two stacks' turns k are measured seconds apart
@@ -227,7 +230,7 @@ def print_summary(s: dict) -> None:
           "an interval wider than the goal's 2% means the run cannot tell)")
 
 
-async def play_launch(client: httpx.AsyncClient, args, caching: str, launch: int, conversations: range,
+async def play_launch(client: aiohttp.ClientSession, args, caching: str, launch: int, conversations: range,
                       registry: list[Stack]) -> tuple[list[dict], list[dict]]:
     """Start the pair of stacks (which one starts first alternates by launch), play `conversations`
     on both, stop them. Returns the turns and the retention samples."""
@@ -269,7 +272,7 @@ async def amain(args, registry: list[Stack]) -> dict:
                        "pinning": "prefill core 0, decode core 1, 1 thread each; router unpinned"},
               "runs": [], "turns": [], "retention_samples": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(connect=10, read=600, write=60, pool=None)) as client:
+    async with open_session() as client:
         for caching in args.prefix_caching:
             rows, samples = [], []
             for launch in range(args.launches):

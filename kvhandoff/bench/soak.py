@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from kvhandoff.bench.client import chat_body, completion_body, random_text, stream_completion
+from kvhandoff.bench.client import chat_body, completion_body, open_session, random_text, stream_completion
 from kvhandoff.bench.meta import git_commit, log
 from kvhandoff.bench.stack import Stack, stop_on_signal
 from kvhandoff.wire.modes import NAMES, Mode
@@ -79,6 +79,7 @@ class Soak:
         self.samples: list[dict] = []
         self.rng = random.Random(args.seed)
         self.model = ""
+        self.streams = None         # bench.client's session, while run() runs
 
     def note(self, outcome: str, detail: str | None = None) -> None:
         self.outcomes[outcome] += 1
@@ -88,7 +89,7 @@ class Soak:
     async def one(self, client: httpx.AsyncClient, kind: str) -> None:
         rng = self.rng
         if kind == "stream":
-            result = await stream_completion(client, self.url, completion_body(
+            result = await stream_completion(self.streams, self.url, completion_body(
                 self.model, random_text(rng, rng.randint(8, 400)), rng.randint(4, 48)))
             self.judge(result.error)
         elif kind == "chat":
@@ -101,7 +102,7 @@ class Soak:
             session, messages = f"soak-{rng.getrandbits(48):x}", []
             for _ in range(rng.randint(2, 4)):
                 messages.append({"role": "user", "content": random_text(rng, rng.randint(20, 120))})
-                result = await stream_completion(client, self.url, chat_body(self.model, messages, rng.randint(8, 24)),
+                result = await stream_completion(self.streams, self.url, chat_body(self.model, messages, rng.randint(8, 24)),
                                                  headers={"X-Session-Id": session})
                 if not self.judge(result.error):
                     return
@@ -174,7 +175,9 @@ class Soak:
     async def run(self) -> dict:
         started = time.monotonic()
         until = started + self.args.minutes * 60
-        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+        # Streams go through the benchmarks' client (bench.client); the rest, and the hang-ups, through httpx.
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0)) as client, \
+                open_session(120.0) as self.streams:
             self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
             await asyncio.gather(self.sampler(client, until, started),
                                  *(self.client_loop(client, until) for _ in range(self.args.concurrency)))

@@ -88,7 +88,7 @@ class Stack:
 
 def stop_on_signal(stacks: Callable[[], Iterable[Stack]]) -> None:
     """On SIGINT or SIGTERM, stop every stack `stacks()` names and exit 130 at once. Cancelling the
-    event loop's task does not reliably get through httpx's streams, so the handler does not rely on
+    event loop's task does not reliably get through the client's streams, so the handler does not rely on
     it; an interrupted run writes no results."""
     def interrupted(signum, frame):
         log(f"signal {signum}: stopping the stacks")
