@@ -95,16 +95,22 @@ def open_session(read_timeout_s: float = 600.0) -> aiohttp.ClientSession:
 
 
 async def get_json(client: aiohttp.ClientSession, url: str, timeout_s: float | None = None):
-    """GET `url`'s JSON (aiohttp.ClientError if it answers an error status)."""
-    async with client.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None) as resp:
+    """GET `url`'s JSON (aiohttp.ClientError if it answers an error status); within `timeout_s` if
+    given, else the session's timeouts."""
+    async with client.get(url, **_within(timeout_s)) as resp:
         resp.raise_for_status()
         return await resp.json(content_type=None)
 
 
 async def get_text(client: aiohttp.ClientSession, url: str, timeout_s: float | None = None) -> str:
-    async with client.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None) as resp:
+    async with client.get(url, **_within(timeout_s)) as resp:
         resp.raise_for_status()
         return await resp.text()
+
+
+def _within(timeout_s: float | None) -> dict:
+    # (aiohttp reads timeout=None as "no timeout at all", not as the session's)
+    return {} if timeout_s is None else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
 
 
 async def stream_completion(client: aiohttp.ClientSession, base_url: str, body: dict,
