@@ -6,6 +6,7 @@ import json
 
 from kvhandoff.router.upstream import Answer, Unreachable, UpstreamError
 from kvhandoff.wire import api as P
+from kvhandoff.wire.http import describe
 
 
 class WorkerFailure(P.APIError):
@@ -51,10 +52,6 @@ def refused(failure: BaseException | None) -> bool:
 def deadline_error(seconds: float) -> P.APIError:
     return P.APIError(504, f"the request took longer than the router's --request-timeout of {seconds:g} s",
                       type="server_error", code="request_timeout")
-
-
-def describe(e: BaseException) -> str:
-    return str(e) or type(e).__name__
 
 
 async def error_json(worker, resp: Answer) -> dict:

@@ -58,6 +58,12 @@ class SSEResponse(StreamingAnswer):
         super().__init__(body, "text/event-stream", on_close)
 
 
+def describe(exc: BaseException) -> str:
+    """An exception in a message for a log line or a client: its text, or its type when it has none
+    (httpx and aiohttp raise some with an empty message)."""
+    return str(exc) or type(exc).__name__
+
+
 async def read_json_object(request: Request) -> dict:
     """The body as a JSON object, or one 400 that says what is wrong with it: the one body check of
     the public endpoints, the router's and the control endpoints (any Content-Type is accepted: curl

@@ -22,7 +22,7 @@ from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.auth import check_control, control_headers
-from kvhandoff.wire.http import CHAT, StreamingAnswer, read_json_object
+from kvhandoff.wire.http import CHAT, StreamingAnswer, describe, read_json_object
 from kvhandoff.wire.modes import ROLES
 from kvhandoff.worker.connector import Connector
 from kvhandoff.worker.reuse import lease_retained
@@ -63,10 +63,6 @@ class HTTPControl(ControlClient):
             return r.status_code, r.json()
         except ValueError:
             return r.status_code, r.text[:200]
-
-
-def describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
 
 
 def api_error(exc: HandoffError | M.MessageError, param: str | None = None) -> P.APIError:
