@@ -102,7 +102,7 @@ def test_behind_a_link_the_transfer_is_bytes_over_rate_and_layer_wise_push_hides
     """One 1,000-token prompt at a time (20 ms to compute, 2 MB of KV): at 1 Gbit/s the KV takes 16.8 ms,
     under the prompt: pull pays it all after the prompt, layer-wise push only the last layer's share;
     at 100 Mbit/s (168 ms) layer-wise push is bound by the link, not the prompt."""
-    fixed = costs(prefill_ms=Linear(0.0, 0.02), transfer_ms=Linear(0.5, 0.0), prefill_spread=[0.0],
+    fixed = costs(prefill_ms=Linear(0.0, 0.02), transfer_ms=Linear(0.5, 0.0),
                   prompt_tokens=[1000], output_tokens=[8])
     jobs = lambda: [Job(i, i * 1.0, 1000, 8) for i in range(4)]     # a second apart: nothing queues
     send_ms = lambda gbit: 1000 * 2048 * 8 / (gbit * 1e9) * 1e3
@@ -151,7 +151,7 @@ def test_a_prompt_is_charged_only_the_tokens_its_prefill_computed():
     row = {"prompt_tokens": 1000, "handoff": {"reused_tokens": 256, "prefill_cached_tokens": 512}}
     assert computed_tokens(row) == 232 and computed_tokens({"prompt_tokens": 64, "handoff": {}}) == 64
     assert computed_tokens({"prompt_tokens": 64, "handoff": {"prefill_cached_tokens": 64}}) == 1
-    fixed = costs(prefill_ms=Linear(0.0, 0.1), prefill_spread=[0.0], prompt_tokens=[1000], output_tokens=[8],
+    fixed = costs(prefill_ms=Linear(0.0, 0.1), prompt_tokens=[1000], output_tokens=[8],
                   computed_tokens=[250])
     whole, cached = (Fleet(fixed, 1, 2, "round-robin", "early").run([Job(0, 0.0, 1000, 8, n)]) for n in (None, 250))
     assert whole[0]["phases_ms"]["prefill_compute"] == pytest.approx(100.0)

@@ -18,16 +18,20 @@ From one measured point of a disaggregated stack:
   decode worker's first step once the KV has landed (`decode_queue` + `first_step`), per decode
   worker (a slow worker steps later);
 - the workload's shape: prompt and output lengths as sampled, bytes of KV per prompt token;
-- the spread around those lines, as measured: per request, its prefill time less the fitted one (a
-  busy core adds milliseconds, not percent), its TPOT over the fitted one (a ratio: it scales every
-  step), and the delays of its first two tokens; the simulator draws from
-  these, seeded, so that it reproduces percentiles and medians of mixtures, not just the lines;
+- the spread around those lines, as measured: per request, its prefill time and its transfer less the
+  fitted ones (a busy core adds milliseconds, not percent), each kept with its size (`Spread`: the
+  simulator draws a residual among the requests nearest in size, since a loaded machine spreads a
+  long prompt's time by more than a short one's, and a short prompt given a long one's residual
+  would be clamped at zero and shift the median), its TPOT over the fitted one (a ratio: it scales
+  every step), and the delays of its first two tokens; the simulator draws from these, seeded, so
+  that it reproduces percentiles and medians of mixtures, not just the lines;
 - the fleet: its prefill and decode workers, decode policy, late binding and poll interval, as the
   router's /health reported them when the point started, and the emulated link its launch spec
   named (`+link=RATE`): a replay of such a run sends the KV through a link of that rate.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import statistics
@@ -63,6 +67,25 @@ class Linear:
 
 
 @dataclass
+class Spread:
+    """Residuals around a fitted line, each at the size it was measured at (sorted by size)."""
+    points: list[tuple[float, float]] = field(default_factory=list)      # (size, measured - fitted)
+
+    @classmethod
+    def of(cls, sizes: list[float], residuals: list[float]) -> "Spread":
+        return cls(sorted(zip(sizes, residuals)))
+
+    def draw(self, rng, size: float) -> float:
+        """One of the residuals measured nearest this size: among the closest fifth (at least 4)."""
+        if not self.points:
+            return 0.0
+        k = min(len(self.points), max(4, len(self.points) // 5))
+        at = bisect.bisect_left(self.points, (size,))
+        start = max(0, min(at - k // 2, len(self.points) - k))
+        return rng.choice(self.points[start:start + k])[1]
+
+
+@dataclass
 class Costs:
     label: str                               # the bench point it was fitted on
     mode: str                                # pull, pull-reader, push, push-layerwise
@@ -83,7 +106,8 @@ class Costs:
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     computed_tokens: list[int] = field(default_factory=list)            # of each prompt, what its prefill computed
-    prefill_spread: list[float] = field(default_factory=list)           # measured - fitted prefill window, ms
+    prefill_spread: Spread = field(default_factory=Spread)              # by tokens computed: measured - fitted ms
+    transfer_spread: Spread = field(default_factory=Spread)             # by MiB moved: measured - fitted ms
     step_spread: dict[str, list[float]] = field(default_factory=dict)    # decode worker URL -> TPOT / fitted
     # arrival at the router -> the prefill worker's engine has the request (the router's dispatch, the
     # way there, parsing and tokenizing), as measured; the first token's delay is counted after it
@@ -220,15 +244,17 @@ def fit(summary: dict, rows: list[dict], label: str | None = None) -> Costs:
     typical = [statistics.median(v for values in second.values() for v in values)]
     work = prefill_work(mine, computed)
     prefill_ms = Linear.fit(work, [phase(r, "prefill_compute") for r in mine])
+    transfer_ms = Linear.fit(mib, [phase(r, "transfer") for r in mine])
     spread = {url: [step_time(r) / steps[url](b) for b, r in zip(sizes, mine)
                     if r["handoff"]["decode_worker"] == url and steps[url](b) > 0] or [1.0] for url in decode}
     return Costs(
         label=label, mode=mine[0]["handoff"]["mode"],
         prefill_ms=prefill_ms,
-        transfer_ms=Linear.fit(mib, [phase(r, "transfer") for r in mine]), step_ms=steps,
+        transfer_ms=transfer_ms, step_ms=steps,
         handoff_wait_ms=statistics.median(phase(r, "handoff_wait") or 0 for r in mine), admission_ms=admission(mine),
         first_token_ms=first, second_token_ms={url: v or typical for url, v in second.items()}, ingress_ms=ingress,
-        prefill_spread=[phase(r, "prefill_compute") - prefill_ms(w) for r, w in zip(mine, work)],
+        prefill_spread=Spread.of(work, [phase(r, "prefill_compute") - prefill_ms(w) for r, w in zip(mine, work)]),
+        transfer_spread=Spread.of(mib, [phase(r, "transfer") - transfer_ms(m) for r, m in zip(mine, mib)]),
         step_spread=spread,
         # per prompt token, as the replay charges it (a decode worker's own prefix cache may have spared some)
         kv_bytes_per_token=statistics.median((r["handoff"].get("bytes_transferred") or 0) / max(1, r["prompt_tokens"])

@@ -27,7 +27,8 @@ random.Random). What it models, and what it leaves out:
   size, one token per sequence per step; a worker of a scaled fleet takes the costs of the real
   worker at its index modulo the real count (a slow one stays slow, in the same share);
 - the spread the calibration run measured is drawn per request (seeded): its prefill time is the
-  fitted one plus a measured residual, its TPOT the fitted one times a measured ratio, its first two
+  fitted one plus a residual measured at a similar size, and so is its transfer over the free link
+  (behind an emulated link the link's own queue is the spread), its TPOT the fitted one times a measured ratio, its first two
   tokens' delays measured ones. (A
   request's drawn TPOT ratio stretches its own timeline only: its seat in the batch frees when the
   fitted steps are done, so the batch dynamics stay the fitted ones.)
@@ -224,7 +225,8 @@ class Fleet:
             take = min(budget, job.to_prefill)
             chunks.append((job, take))
             budget -= take
-        step_ms = self.costs.prefill_ms(self.token_budget - budget) + self.rng.choice(self.costs.prefill_spread or [0.0])
+        tokens = self.token_budget - budget
+        step_ms = self.costs.prefill_ms(tokens) + self.costs.prefill_spread.draw(self.rng, tokens)
         self.prefill_busy[p] = True
         self.at(self.now + max(0.0, step_ms) / 1e3, self.prefill_stepped, p, chunks)
 
@@ -250,7 +252,7 @@ class Fleet:
         """When the job's KV has crossed the link (before the handoff's coordination)."""
         link = self.link
         if link.bits_per_s is None:
-            return self.now + self.costs.transfer_ms(mib) / 1e3
+            return self.now + max(0.0, self.costs.transfer_ms(mib) + self.costs.transfer_spread.draw(self.rng, mib)) / 1e3
         send_s = mib * 2**20 * 8 / link.bits_per_s
         if link.layerwise and self.binding != "late":
             first_layer = job.prefill_start + (self.now - job.prefill_start) / link.layers
