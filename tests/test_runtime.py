@@ -211,3 +211,45 @@ def test_a_worker_dying_under_a_control_request_is_a_connection_error(raised):
             await control.post("http://127.0.0.1:9", "/kv/register", {"handoff_id": "h"})
         await control.http.aclose()
     asyncio.run(both())
+
+
+def layerwise_writes(num_layers: int, token_bytes_per_layer: int, prompt_tokens: int, chunk_tokens: int) -> list:
+    """The WRITEs layer-wise push queues while a prompt computes, chunk by chunk and layer by layer
+    (each (first block, blocks, first layer, layers)); push's final WRITE takes the rest."""
+    from types import SimpleNamespace
+    from kvhandoff.worker.layerwise import LayerwisePrefill
+    from kvhandoff.worker.push import PushJob
+    block_size = 32
+    blocks = -(-prompt_tokens // block_size)
+    side = LayerwisePrefill.__new__(LayerwisePrefill)
+    queued = []
+    side._queue = lambda job, table, span, first, count: queued.append((span.start, len(span), first, count))
+    job = PushJob("h", registration=SimpleNamespace(skip_blocks=0, block_ids=list(range(blocks))))
+    job.layerwise = True
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt_tokens, block_table=list(range(blocks)),
+                              num_computed_tokens=0)
+    side.rt = SimpleNamespace(layout=SimpleNamespace(num_layers=num_layers, layer_bytes=block_size * token_bytes_per_layer),
+                              requests={"r": (side, job)}, block_size=block_size)
+    for start in range(0, prompt_tokens, chunk_tokens):
+        request.num_computed_tokens = start
+        chunk = SimpleNamespace(request=request, num_new_tokens=min(chunk_tokens, prompt_tokens - start))
+        for layer in range(num_layers):
+            side.on_layer(layer, [chunk])
+    return queued
+
+
+def test_layerwise_writes_carry_at_least_a_mebibyte():
+    """A WRITE costs the prefill's core ~0.2 ms whatever its size: layer-wise push groups layers so that
+    each carries MIN_WRITE_BYTES (or a sixth of the layers, whichever is more), and a prompt whose last
+    chunk would go in one WRITE anyway leaves it to push's final one."""
+    from kvhandoff.worker.layerwise import MIN_WRITE_BYTES
+    tiny, smollm2_bf16 = (4, 512), (30, 768)         # layers, bytes of K and V per token and layer
+    assert layerwise_writes(*tiny, prompt_tokens=501, chunk_tokens=512) == []     # 1 MiB in all: one WRITE
+    # 1,002 tokens in chunks of 64 (128 KiB each): a WRITE per chunk after its last layer, but the last
+    assert layerwise_writes(*tiny, prompt_tokens=1002, chunk_tokens=64) == [(2 * k, 2, 0, 4) for k in range(15)]
+    # SmolLM2, 1,024 tokens in two chunks: 384 KiB a layer, so the sixth of the layers (5) is the bigger group
+    writes = layerwise_writes(*smollm2_bf16, prompt_tokens=1024, chunk_tokens=512)
+    assert [(first, count) for _, _, first, count in writes] == [(layer, 5) for layer in range(0, 30, 5)] * 2
+    assert all(blocks * 32 * 768 * count >= MIN_WRITE_BYTES for _, blocks, _, count in writes)
+    # 256 tokens: 192 KiB a layer, 6 layers a WRITE
+    assert [count for *_, count in layerwise_writes(*smollm2_bf16, prompt_tokens=256, chunk_tokens=512)] == [6] * 5

@@ -4,8 +4,9 @@ the prefill instead of following it. Everything else (registration, Done, failur
 
 After each group of layers of each prefill chunk (LAYER_WRITES_PER_CHUNK groups a chunk: a group
 of a block's layers is one contiguous range, so a group costs no more descriptors than one layer,
-and the per-write overhead, paid on the prefill's own core, is not paid per layer) the engine calls
-on_layer, and the writer thread WRITEs those layers of the chunk's blocks. Each (block, layer) range
+and the per-write overhead, paid on the prefill's own core, is not paid per layer; fewer groups where
+a group's bytes would be under MIN_WRITE_BYTES) the engine calls on_layer, and the writer thread
+WRITEs those layers of the chunk's blocks. Each (block, layer) range
 is written exactly once, when it is final, so writes never overlap and their order does not matter:
 - a chunk writes the blocks it completes: a block it only starts (the prompt goes on past the
   chunk) waits for the chunk that completes it;
@@ -23,6 +24,12 @@ import time
 from kvhandoff.worker.push import PushJob, PushPrefill
 
 LAYER_WRITES_PER_CHUNK = 6      # SmolLM2's 30 layers: 5 at a time
+# ... but no write under this many bytes: a WRITE costs ~0.2 ms of the prefill's core whatever its size
+# (descriptors, the writer thread taking the GIL from the engine's), about what copying 1 MiB through
+# shared memory takes. Measured (bench.disagg, tiny, 62 tokens: 4 writes of 31 KiB): layer-wise
+# prefill_compute 22.9 ms against push's 19.3. Where a whole chunk is under it, the chunk goes in one
+# WRITE after its last layer, and the prompt's last chunk in push's final WRITE (one fewer).
+MIN_WRITE_BYTES = 1 << 20
 
 
 class LayerwisePrefill(PushPrefill):
@@ -31,7 +38,6 @@ class LayerwisePrefill(PushPrefill):
     def on_layer(self, layer: int, chunks) -> None:
         """Engine thread, after `layer` of this step's chunks: queue what became final."""
         num_layers = self.rt.layout.num_layers
-        group = -(-num_layers // LAYER_WRITES_PER_CHUNK)
         last = layer == num_layers - 1
         for chunk in chunks:
             request = chunk.request
@@ -39,18 +45,28 @@ class LayerwisePrefill(PushPrefill):
             if side is not self or not job.layerwise or not self._commit(job) or job.started:
                 continue
             start = request.num_computed_tokens
+            end = start + chunk.num_new_tokens
             if job.chunk_start != start:            # the first layer of this chunk we hear of
                 self._catch_up(job, start, request.block_table)
                 job.chunk_start, job.layers_sent = start, 0
-            if layer + 1 - job.layers_sent < group and not last:
+                job.group = self._group(len(range(self.first_unsent_block(job), self._final_blocks(request, end))))
+            if layer + 1 - job.layers_sent < job.group and not last:
                 continue
-            end = start + chunk.num_new_tokens
-            blocks = range(max(job.blocks_sent, job.registration.skip_blocks), self._final_blocks(request, end))
+            if last and job.layers_sent == 0 and end >= request.num_prompt_tokens:
+                job.chunk_start = None              # the final WRITE takes the whole chunk
+                continue
+            blocks = range(self.first_unsent_block(job), self._final_blocks(request, end))
             if blocks:
                 self._queue(job, request.block_table, blocks, job.layers_sent, layer + 1 - job.layers_sent)
             job.layers_sent = layer + 1
             if last:
                 job.blocks_sent, job.chunk_start = max(job.blocks_sent, blocks.stop), None
+
+    def _group(self, num_blocks: int) -> int:
+        """Layers a WRITE of this chunk carries: a share of them, and at least MIN_WRITE_BYTES."""
+        layout = self.rt.layout
+        return max(-(-layout.num_layers // LAYER_WRITES_PER_CHUNK),
+                   -(-MIN_WRITE_BYTES // max(1, num_blocks * layout.layer_bytes)))
 
     @staticmethod
     def _commit(job: PushJob) -> bool:

@@ -81,6 +81,7 @@ class PushJob:
     layerwise: bool = False
     chunk_start: int | None = None          # the chunk being sent layer by layer
     layers_sent: int = 0                    # ... how many of its layers
+    group: int = 1                          # ... how many layers a WRITE of it carries
     blocks_sent: int = 0                    # leading blocks whose every layer has been queued
     pending: list = field(default_factory=list)     # their WRITE handles
     committed: bool = False                 # a layer-wise WRITE went to the registration: no rebinding
