@@ -25,7 +25,12 @@ class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, timeout: float = 120.0):
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "kvhandoff.cli", "serve", "--port", "0", *args]
+        # One torch thread unless a test asks for more: tests run several workers on a 2-core machine,
+        # and a worker's OpenMP team spins between parallel regions while its process computes (the
+        # engine's threads live on its loop thread alone), taking the cores from its neighbours.
+        # `kvhandoff up` likewise gives each worker the threads of the cores it owns.
+        threads = [] if "--threads" in args else ["--threads", "1"]
+        cmd = [sys.executable, "-m", "kvhandoff.cli", "serve", "--port", "0", *threads, *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         try:

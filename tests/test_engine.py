@@ -255,6 +255,21 @@ def test_loop_failure_fails_requests_instead_of_hanging(prompts):
         loop.stop()
 
 
+def test_the_loop_computes_with_the_engines_threads_and_the_loading_thread_keeps_one():
+    """The engine's threads are the loop thread's alone: a second OpenMP team on the loading thread
+    made libgomp stop spinning on a 2-core machine (LLMEngine.__init__), and two threads decoded
+    slower than one."""
+    engine = make_engine(num_blocks=16, threads=2)
+    assert engine.threads == 2 and torch.get_num_threads() == 1
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        assert loop.call(torch.get_num_threads).result(timeout=30) == 2
+    finally:
+        loop.stop()
+    assert torch.get_num_threads() == 1
+
+
 def run_until_finished(engine: LLMEngine, request_id: str, max_steps: int = 5000):
     tokens = []
     for _ in range(max_steps):

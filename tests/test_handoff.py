@@ -16,7 +16,7 @@ from kvhandoff.wire.messages import PROTOCOL_VERSION
 
 SECRET = "test-deployment-secret"
 HEADERS = control_headers(SECRET)
-COMMON = ["--model", "tiny", "--dtype", "float32", "--num-blocks", "256", "--kv-secret", SECRET]
+COMMON = ["--model", "tiny", "--dtype", "float32", "--threads", "1", "--num-blocks", "256", "--kv-secret", SECRET]
 MODES = ["pull", "pull-reader", "push", "push-layerwise"]
 
 

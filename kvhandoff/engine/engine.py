@@ -47,10 +47,19 @@ def pick_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, kv_allocator=None):
         """`kv_allocator(nbytes) -> uint8 tensor`, if given, provides the KV pool's memory (a worker
-        passes its transfer agent's shared-memory allocator so peers can copy blocks directly)."""
+        passes its transfer agent's shared-memory allocator so peers can copy blocks directly).
+
+        The engine computes with `self.threads` torch threads on the thread that steps it: EngineLoop
+        sets them on its own thread. This (loading) thread is left with one. Two OpenMP teams, the
+        loading thread's and the loop's, were more threads than a 2-core machine has cores, and
+        libgomp then stops spinning between parallel regions: a bf16 SmolLM2 decode step slept and
+        woke its threads ~500 times (122k voluntary context switches over 240 tokens) and took 95-136
+        ms with two threads, against 54-68 ms with the loop on the loading thread and 61-75 ms with one
+        thread (2-core AMD EPYC, 2026-12-03). A caller that steps the engine itself sets
+        torch.set_num_threads(engine.threads) on its own thread first."""
         self.cfg = cfg
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
+        self.threads = cfg.threads or torch.get_num_threads()
+        torch.set_num_threads(1)
         self.device, self.dtype = pick_device_dtype(cfg)
         model_len = cfg.max_model_len or None
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, max_positions=model_len)

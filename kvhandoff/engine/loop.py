@@ -14,6 +14,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from kvhandoff.engine.engine import LLMEngine
 from kvhandoff.engine.holds import Hold
 from kvhandoff.engine.request import RequestOutput, Resume, SamplingParams
@@ -129,6 +131,7 @@ class EngineLoop:
         return self._thread.is_alive() and self.fatal_error is None
 
     def _run(self) -> None:
+        torch.set_num_threads(self.engine.threads)      # (the loading thread keeps one: LLMEngine)
         try:
             self._serve()
         except Exception as exc:        # a bug in the engine: fail everyone loudly rather than hang them

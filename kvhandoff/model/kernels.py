@@ -116,8 +116,8 @@ def available() -> bool:
 
 
 def _threads() -> int:
-    # Passed on every call: OpenMP's thread count is per calling thread, and the engine's forward
-    # pass runs on a thread that never called torch.set_num_threads.
+    # Passed on every call: OpenMP's thread count is per calling thread (the engine's forward pass runs
+    # on EngineLoop's thread, which sets its own).
     return torch.get_num_threads()
 
 
