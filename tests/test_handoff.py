@@ -106,6 +106,27 @@ def test_mode_matches_colocated(workers, reference, mode):
         assert h["num_free_blocks"] == h["num_blocks"], h
 
 
+def test_every_mode_matches_colocated_in_bf16(tmp_path):
+    """The same in bf16 (issue 25; the module's workers run fp32): KV handed over in bf16, decode rows
+    through the bf16 kernels where they build, several requests in flight at once."""
+    bf16 = [arg if arg != "float32" else "bfloat16" for arg in COMMON]
+    started = []
+    try:
+        for role in ("prefill", "decode", "both"):
+            started.append(ServerProcess([*bf16, "--role", role], tmp_path / f"{role}.log"))
+        prefill, decode, colocated = (server.url for server in started)
+        expected = [httpx.post(f"{colocated}/v1/completions", json=body(p), timeout=60).json()["choices"][0]["text"]
+                    for p in PROMPTS]
+        for mode in MODES:
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                results = list(pool.map(lambda p: disaggregated(prefill, decode, mode, body(p)), PROMPTS))
+            assert [response["choices"][0]["text"] for _, response in results] == expected, mode
+        assert all(server.health()["dtype"] == "bfloat16" for server in started)
+    finally:
+        for server in started:
+            server.stop()
+
+
 def test_handoffs_need_the_control_token(workers):
     request = body(PROMPTS[0], kv_transfer_params={"protocol_version": PROTOCOL_VERSION, "handoff_id": "x", "mode": "pull", "role": "prefill"})
     r = httpx.post(f"{workers['prefill'].url}/v1/completions", json=request, timeout=30)

@@ -161,19 +161,26 @@ def decode_step_logits(model: LlamaModel, prompts: list[list[int]], block_size: 
     return runner.run([ScheduledChunk(r, 1) for r in requests])
 
 
+def small_model(bias: bool, seed: int) -> LlamaModel:
+    """Two layers, GQA (6 heads over 2), tied embeddings, with or without a random qkv bias (Qwen2)."""
+    cfg = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=200, num_layers=2, num_heads=6,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=512, tie_word_embeddings=True, attention_bias=bias)
+    torch.manual_seed(seed)
+    model = LlamaModel(cfg).eval()
+    if bias:
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.self_attn.qkv_proj.bias.normal_()
+    return model
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_fused_decode_step_gives_the_plain_models_logits(bias):
     """decode_layer (one C call per layer) against the torch model: 5 sequences of lengths around
     the block edges in one decode step, GQA, with and without a qkv bias (Qwen2)."""
-    cfg = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=200, num_layers=2, num_heads=6,
-                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      max_position_embeddings=512, tie_word_embeddings=True, attention_bias=bias)
-    torch.manual_seed(4)
-    plain = LlamaModel(cfg).eval()
-    if bias:
-        with torch.no_grad():
-            for layer in plain.layers:
-                layer.self_attn.qkv_proj.bias.normal_()
+    plain = small_model(bias, seed=4)
+    cfg = plain.cfg
     fused = LlamaModel(cfg).eval()
     fused.load_state_dict(plain.state_dict())
     fused.use_cpu_kernels()
@@ -181,6 +188,43 @@ def test_a_fused_decode_step_gives_the_plain_models_logits(bias):
     prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (1, 15, 16, 17, 70)]
     torch.testing.assert_close(decode_step_logits(fused, prompts, 16), decode_step_logits(plain, prompts, 16),
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (41, 128), (8, 1536)])
+def test_gemv_bf16_equals_f_linear_and_each_row_is_batch_invariant(rows, out_features, in_features):
+    """gemv_bf16 reads torch's bf16 weight in place and sums in fp32: F.linear over the same (bf16)
+    weights in fp32, to fp32 rounding (of x rounded to bf16 where the CPU's bf16 dot products serve);
+    a row's result is bit-for-bit the same whatever else is in the batch."""
+    g = torch.Generator().manual_seed(rows * 11 + out_features)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g)
+    y = kernels.linear_bf16(x, weight)
+    seen = x.bfloat16().float() if kernels.native_bf16(in_features) else x
+    torch.testing.assert_close(y, F.linear(seen, weight.float()), rtol=1e-5, atol=1e-4)
+    alone = torch.cat([kernels.linear_bf16(x[i:i + 1], weight) for i in range(rows)])
+    assert torch.equal(y, alone)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bf16_fused_decode_step_gives_the_reference_logits(bias):
+    """bf16 weights and a bf16 K/V pool: decode_layer (fp32 activations, weights widened on load)
+    against the torch model on the same bf16 weights in fp32 (the same maths but for the pool's
+    rounding to bf16); torch's own bf16 path, which rounds every activation to bf16, is farther from it."""
+    plain = small_model(bias, seed=5).bfloat16()
+    cfg = plain.cfg
+    fused = LlamaModel(cfg).eval().bfloat16()
+    fused.load_state_dict(plain.state_dict())
+    fused.use_cpu_kernels()
+    assert fused.fused_decode is not None and fused.packed_head is None
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (1, 15, 16, 17, 70)]
+    got = decode_step_logits(fused, prompts, 16)
+    assert got.dtype == torch.float32
+    widened = LlamaModel(cfg).eval()
+    widened.load_state_dict({k: v.float() for k, v in plain.state_dict().items()})
+    exact = decode_step_logits(widened, prompts, 16)
+    assert (got - exact).abs().max() < 1e-3 * exact.abs().max()      # (the K/V's rounding to bf16)
+    assert (got - exact).abs().max() < (decode_step_logits(plain, prompts, 16).float() - exact).abs().max()
 
 
 def test_without_gcc_the_engine_falls_back_to_torch(tmp_path):
@@ -201,4 +245,4 @@ def test_without_gcc_the_engine_falls_back_to_torch(tmp_path):
     env["PATH"] = os.environ["PATH"]
     with_kernels = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert with_kernels.returncode == 0, with_kernels.stderr[-2000:]
-    assert with_kernels.stdout.strip().splitlines()[-2:] == [kernels.status(), tokens]
+    assert with_kernels.stdout.strip().splitlines()[-2:] == [f"{kernels.status()}: fp32", tokens]

@@ -101,10 +101,16 @@ class LLMEngine:
         """Switch the model to the compiled CPU kernels where they apply; say which path serves."""
         if not self.cfg.cpu_kernels:
             return "off (cpu_kernels disabled)"
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            return f"off (they cover fp32 on CPU; this engine runs {str(self.dtype).removeprefix('torch.')} on {self.device.type})"
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+            return f"off (they cover fp32 and bf16 on CPU; this engine runs {dtype} on {self.device.type})"
+        cfg = self.loaded.model.cfg
+        if self.dtype == torch.bfloat16 and kernels.available() and \
+                not kernels.bf16_supported(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size):
+            return "off (bf16: a layer's width is not a multiple of 8)"
         if kernels.available():
             self.loaded.model.use_cpu_kernels()
+            return f"{kernels.status()}: " + ("bf16 decode, prefill on torch" if self.dtype == torch.bfloat16 else "fp32")
         return kernels.status()
 
     def connect(self, connector: KVConnector) -> None:

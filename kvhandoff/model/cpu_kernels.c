@@ -8,6 +8,11 @@
  *   (online softmax, one block at a time), instead of gathering them into a contiguous copy.
  * decode_layer: a whole decoder layer for a batch of decode rows in one call (norms, the four
  *   matmuls, RoPE and the K/V store, attention, SiLU, residual adds), for decode-only steps.
+ * bf16 (issue 25): gemv_bf16 reads a bf16 weight in its own [N][K] layout (the one torch's bf16
+ *   prefill uses: one copy of the weights) and the attention reads a bf16 K/V pool, widening each
+ *   value to fp32 on load (a shift: works on every AVX2 CPU); activations and sums stay fp32. A decode
+ *   step reads half the bytes of fp32's, and every row's sums run in one order whatever the batch
+ *   (batch-invariant), which torch's bf16 paths did not.
  *
  * Built by kvhandoff/model/kernels.py with the system's gcc and -march=native, once per machine
  * (the build cache key includes the CPU flags); loaded with ctypes into a process that already
@@ -15,6 +20,7 @@
  * Without AVX2/FMA this file does not compile and the engine runs on torch alone.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <math.h>
 #include <immintrin.h>
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -24,6 +30,27 @@
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));   /* unaligned loads and stores */
 typedef int v8i __attribute__((vector_size(32)));
+typedef uint16_t bf16;
+
+/* 8 bf16 -> 8 fp32: a bf16 is the top half of an fp32's bits */
+static inline v8 widen8(const bf16* p) {
+  return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+}
+
+/* fp32 -> bf16, rounding to nearest even as torch does (a NaN stays a NaN) */
+static inline bf16 to_bf16(float f) {
+  union { float f; uint32_t u; } v = {f};
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16)((v.u >> 16) | 0x40);
+  return (bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* [sum(a[0]), ..., sum(a[7])] */
+static inline v8 reduce8(const v8* a) {
+  __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  t0 = _mm256_hadd_ps(t0, t1); t1 = _mm256_hadd_ps(t2, t3);
+  return (v8)_mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
 
 /* ---- packed-weight matmul ------------------------------------------------------------------ */
 #define PANEL 16
@@ -52,6 +79,98 @@ void gemm_packed(const float* x, long M, long K, long ldx, const float* packed, 
       TILES[rows](K, x + m * ldx, ldx, panel, y + m * ldy + j * PANEL, ldy);
     }
   }
+}
+
+/* ---- bf16 weights, row-major ------------------------------------------------------------------
+   y[m][n] = sum_k x[m][k] w[n][k], one weight row at a time against up to 4 input rows (held in L1).
+   One row at a time: on the EPYC here, a gemv reading 4 weight rows side by side streamed the head's
+   56 MB from memory at ~9 GB/s, one row after the other at ~23 GB/s (a plain sum: 24). Two
+   accumulators a row (even and odd steps of k) keep two chains of FMAs in flight. Each (m, n) is
+   summed in the same order whatever M and the tiling: batch-invariant. */
+#define DOT8(MR) \
+static void dot8_##MR(long K, const float* x, long ldx, const bf16* w, float* y, long ldy) { \
+  v8 acc[2][MR]; \
+  for (int i = 0; i < MR; i++) acc[0][i] = acc[1][i] = (v8){0}; \
+  long k = 0; \
+  for (; k + 16 <= K; k += 16) \
+    for (int h = 0; h < 2; h++) { \
+      v8 wv = widen8(w + k + 8 * h); \
+      for (int i = 0; i < MR; i++) acc[h][i] += *(const v8u*)(x + i * ldx + k + 8 * h) * wv; \
+    } \
+  if (k < K) { \
+    v8 wv = widen8(w + k); \
+    for (int i = 0; i < MR; i++) acc[0][i] += *(const v8u*)(x + i * ldx + k) * wv; \
+  } \
+  v8 sums[8]; \
+  for (int i = 0; i < 8; i++) sums[i] = i < MR ? acc[0][i] + acc[1][i] : (v8){0}; \
+  v8 total = reduce8(sums); \
+  for (int i = 0; i < MR; i++) y[i * ldy] = total[i]; \
+}
+DOT8(1) DOT8(2) DOT8(3) DOT8(4)
+typedef void (*dot8_t)(long, const float*, long, const bf16*, float*, long);
+static const dot8_t DOTS8[5] = {0, dot8_1, dot8_2, dot8_3, dot8_4};
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* Native bf16 dot products (AVX512-BF16): x rounded to bf16 once per call (round to nearest even, as
+   torch's bf16 matmuls round their inputs), 32 products a vdpbf16ps, summed in fp32: a decode step is
+   then bound by the weights' bytes, not by widening them. */
+#define NATIVE_BF16 1
+#define DOT32(MR) \
+static void dot32_##MR(long K, const bf16* x, const bf16* w, float* y, long ldy) { \
+  __m512 acc[2][MR]; \
+  for (int i = 0; i < MR; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps(); \
+  long k = 0; \
+  for (; k + 64 <= K; k += 64) \
+    for (int h = 0; h < 2; h++) { \
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * h); \
+      for (int i = 0; i < MR; i++) \
+        acc[h][i] = _mm512_dpbf16_ps(acc[h][i], (__m512bh)_mm512_loadu_si512(x + i * K + k + 32 * h), wv); \
+    } \
+  if (k < K) { \
+    __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k); \
+    for (int i = 0; i < MR; i++) acc[0][i] = _mm512_dpbf16_ps(acc[0][i], (__m512bh)_mm512_loadu_si512(x + i * K + k), wv); \
+  } \
+  for (int i = 0; i < MR; i++) y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i])); \
+}
+DOT32(1) DOT32(2) DOT32(3) DOT32(4)
+typedef void (*dot32_t)(long, const bf16*, const bf16*, float*, long);
+static const dot32_t DOTS32[5] = {0, dot32_1, dot32_2, dot32_3, dot32_4};
+#endif
+
+/* Which way gemv_bf16 computes for an input width K: 1 native bf16 dot products (x rounded to bf16),
+   0 widening (x in fp32). */
+int gemv_bf16_native_for(long K) {
+#ifdef NATIVE_BF16
+  return K % 32 == 0;
+#else
+  (void)K;
+  return 0;
+#endif
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, W bf16 [N][K] (row stride ldw); K % 8 == 0. */
+void gemv_bf16(const float* x, long M, long K, long ldx, const bf16* w, long N, long ldw, float* y, long ldy,
+               int num_threads) {
+#ifdef NATIVE_BF16
+  if (gemv_bf16_native_for(K)) {
+    bf16* xb = aligned_alloc(64, ((M * K * sizeof(bf16) + 63) / 64) * 64);
+    for (long m = 0; m < M; m++)
+      for (long k = 0; k < K; k += 32) {
+        __m512 lo = _mm512_loadu_ps(x + m * ldx + k), hi = _mm512_loadu_ps(x + m * ldx + k + 16);
+        _mm512_storeu_si512(xb + m * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (long n = 0; n < N; n++)
+      for (long m = 0; m < M; m += 4)
+        DOTS32[M - m < 4 ? M - m : 4](K, xb + m * K, w + n * ldw, y + m * ldy + n, ldy);
+    free(xb);
+    return;
+  }
+#endif
+  #pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (long n = 0; n < N; n++)
+    for (long m = 0; m < M; m += 4)
+      DOTS8[M - m < 4 ? M - m : 4](K, x + m * ldx, ldx, w + n * ldw, y + m * ldy + n, ldy);
 }
 
 /* ---- paged attention ----------------------------------------------------------------------- */
@@ -85,14 +204,6 @@ static inline v8 exp8(v8 x) {
   return (v8)(~below & (v8i)(p * (v8)bits));      /* e^-inf (a padded score) is exactly 0 */
 }
 
-/* [sum(a[0]), ..., sum(a[7])] */
-static inline v8 reduce8(const v8* a) {
-  __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
-  __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
-  t0 = _mm256_hadd_ps(t0, t1); t1 = _mm256_hadd_ps(t2, t3);
-  return (v8)_mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
 /* The online-softmax state of one (row, kv head): acc[G][DV] v8, then m[G], then l[G]. */
 struct attend_state { v8 acc[MAX_GROUP * 16]; float m[MAX_GROUP], l[MAX_GROUP]; };
 
@@ -100,27 +211,30 @@ struct attend_state { v8 acc[MAX_GROUP * 16]; float m[MAX_GROUP], l[MAX_GROUP]; 
    `DV` = head_dim / 8. The V update keeps G * DT accumulators in flight (DT 8-float slices of the
    head at a time): with one per query head, as at first, each was a chain of dependent FMAs one per
    token, and the kernel ran at the FMA's latency rather than at memory speed. */
-#define ATTEND(G, DV) \
-static void attend_##G##_##DV(const float* q, struct attend_state* st, const float* K, const float* V, long n, \
-                              const char* next_k, const char* next_v) { \
+#define LOAD_F32(p) (*(const v8u*)(p))
+#define LOAD_BF16(p) widen8(p)
+#define ATTEND(G, DV, T, LOAD) \
+static void attend_##T##_##G##_##DV(const float* q, struct attend_state* st, const void* K_, const void* V_, long n, \
+                                    const char* next_k, const char* next_v) { \
+  const T* K = K_; const T* V = V_; \
   enum { D = 8 * DV, DT0 = G <= 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1, DT = DT0 < DV ? DT0 : DV }; \
   float s[G][MAX_BLOCK + 8] __attribute__((aligned(32))); \
   v8 (*acc)[DV] = (v8 (*)[DV])st->acc; \
   for (long t = 0; t < n; t += 8) { \
-    const float* Kt = K + t * D; \
+    const T* Kt = K + t * D; \
     long w = n - t < 8 ? n - t : 8; \
-    if (next_k) for (long off = t * D * 4; off < (t + 8) * D * 4; off += 64) __builtin_prefetch(next_k + off); \
+    if (next_k) for (long off = t * D * (long)sizeof(T); off < (t + 8) * D * (long)sizeof(T); off += 64) __builtin_prefetch(next_k + off); \
     for (int g = 0; g < G; g++) { \
       v8 a[8]; \
       for (int j = 0; j < 8; j++) a[j] = (v8){0}; \
       if (w == 8) /* the common case, branch-free; the tail below never reads past the block */ \
         for (int d = 0; d < DV; d++) { \
           v8 qv = *(const v8u*)(q + g * D + 8 * d); \
-          for (int j = 0; j < 8; j++) a[j] += qv * *(const v8u*)(Kt + j * D + 8 * d); \
+          for (int j = 0; j < 8; j++) a[j] += qv * LOAD(Kt + j * D + 8 * d); \
         } \
       else \
         for (int j = 0; j < w; j++) \
-          for (int d = 0; d < DV; d++) a[j] += *(const v8u*)(q + g * D + 8 * d) * *(const v8u*)(Kt + j * D + 8 * d); \
+          for (int d = 0; d < DV; d++) a[j] += *(const v8u*)(q + g * D + 8 * d) * LOAD(Kt + j * D + 8 * d); \
       *(v8*)&s[g][t] = reduce8(a); \
     } \
   } \
@@ -146,9 +260,9 @@ static void attend_##G##_##DV(const float* q, struct attend_state* st, const flo
     v8 r[G][DT]; \
     for (int g = 0; g < G; g++) for (int i = 0; i < DT; i++) r[g][i] = acc[g][d0 + i]; \
     for (long t = 0; t < n; t++) { \
-      if (next_v && d0 == 0) for (long off = t * D * 4; off < (t + 1) * D * 4; off += 64) __builtin_prefetch(next_v + off); \
+      if (next_v && d0 == 0) for (long off = t * D * (long)sizeof(T); off < (t + 1) * D * (long)sizeof(T); off += 64) __builtin_prefetch(next_v + off); \
       v8 vv[DT]; \
-      for (int i = 0; i < DT; i++) vv[i] = *(const v8u*)(V + t * D + 8 * (d0 + i)); \
+      for (int i = 0; i < DT; i++) vv[i] = LOAD(V + t * D + 8 * (d0 + i)); \
       for (int g = 0; g < G; g++) { \
         v8 p = (v8)_mm256_broadcast_ss(&s[g][t]); \
         for (int i = 0; i < DT; i++) r[g][i] += p * vv[i]; \
@@ -157,11 +271,15 @@ static void attend_##G##_##DV(const float* q, struct attend_state* st, const flo
     for (int g = 0; g < G; g++) for (int i = 0; i < DT; i++) acc[g][d0 + i] = r[g][i]; \
   } \
 }
-#define ATTEND_D(G) ATTEND(G, 4) ATTEND(G, 8) ATTEND(G, 16)
-ATTEND_D(1) ATTEND_D(2) ATTEND_D(3) ATTEND_D(4) ATTEND_D(5) ATTEND_D(6) ATTEND_D(7) ATTEND_D(8)
-typedef void (*attend_t)(const float*, struct attend_state*, const float*, const float*, long, const char*, const char*);
-#define PAIR(G) {attend_##G##_4, attend_##G##_8, attend_##G##_16}
-static const attend_t ATTENDS[MAX_GROUP + 1][3] = {{0, 0, 0}, PAIR(1), PAIR(2), PAIR(3), PAIR(4), PAIR(5), PAIR(6), PAIR(7), PAIR(8)};
+#define ATTEND_D(G, T, LOAD) ATTEND(G, 4, T, LOAD) ATTEND(G, 8, T, LOAD) ATTEND(G, 16, T, LOAD)
+#define ATTEND_G(T, LOAD) ATTEND_D(1, T, LOAD) ATTEND_D(2, T, LOAD) ATTEND_D(3, T, LOAD) ATTEND_D(4, T, LOAD) \
+  ATTEND_D(5, T, LOAD) ATTEND_D(6, T, LOAD) ATTEND_D(7, T, LOAD) ATTEND_D(8, T, LOAD)
+ATTEND_G(float, LOAD_F32)
+ATTEND_G(bf16, LOAD_BF16)
+typedef void (*attend_t)(const float*, struct attend_state*, const void*, const void*, long, const char*, const char*);
+#define PAIR(T, G) {attend_##T##_##G##_4, attend_##T##_##G##_8, attend_##T##_##G##_16}
+#define PAIRS(T) {{0, 0, 0}, PAIR(T, 1), PAIR(T, 2), PAIR(T, 3), PAIR(T, 4), PAIR(T, 5), PAIR(T, 6), PAIR(T, 7), PAIR(T, 8)}
+static const attend_t ATTENDS[2][MAX_GROUP + 1][3] = {PAIRS(float), PAIRS(bf16)};    /* [K/V in bf16] */
 
 /* Which (group, head_dim) pairs paged_attention serves; the caller falls back to torch otherwise. */
 int paged_attention_supports(long group, long head_dim, long block_size) {
@@ -170,9 +288,10 @@ int paged_attention_supports(long group, long head_dim, long block_size) {
 }
 
 /* Query heads of kv heads [h0, h1) of one row over its `len` tokens; K of block b, kv head h at
-   k_base + table[b] * block_stride + h * block_size * D (V likewise). q, out: the row's [heads][D]. */
+   element table[b] * block_stride + h * block_size * D from k_base (V likewise), elements of `item`
+   bytes (4: fp32, 2: bf16). q, out: the row's [heads][D]. */
 static void attend_heads(attend_t attend, long group, long D, const float* q, float* out, long h0, long h1,
-                         const float* k_base, const float* v_base, long block_stride, long block_size,
+                         const char* k_base, const char* v_base, long item, long block_stride, long block_size,
                          const int64_t* table, long len) {
   struct attend_state st[HEADS_PER_PASS];
   for (; h0 < h1; h0 += HEADS_PER_PASS) {
@@ -187,8 +306,8 @@ static void attend_heads(attend_t attend, long group, long D, const float* q, fl
       long next = start + block_size < len ? table[blk + 1] * block_stride : -1;
       for (long h = 0; h < hn; h++) {
         long head = (h0 + h) * block_size * D;
-        attend(q + (h0 + h) * group * D, &st[h], k_base + base + head, v_base + base + head, n,
-               next < 0 ? 0 : (const char*)(k_base + next + head), next < 0 ? 0 : (const char*)(v_base + next + head));
+        attend(q + (h0 + h) * group * D, &st[h], k_base + (base + head) * item, v_base + (base + head) * item, n,
+               next < 0 ? 0 : k_base + (next + head) * item, next < 0 ? 0 : v_base + (next + head) * item);
       }
     }
     for (long h = 0; h < hn; h++)
@@ -205,18 +324,18 @@ static void attend_heads(attend_t attend, long group, long D, const float* q, fl
    attends to the first row_len[r] tokens of sequence row_seq[r] (r itself if row_seq is NULL), whose
    blocks are block_tables[row_seq[r] * max_blocks ...]. */
 static void attention(const float* q, long ldq, float* out, long ldo, long rows, long heads, long kv_heads, long D,
-                      const float* k_base, const float* v_base, long block_stride, long block_size,
+                      const char* k_base, const char* v_base, long item, long block_stride, long block_size,
                       const int64_t* block_tables, long max_blocks, const int64_t* row_seq,
                       const int64_t* row_len, int num_threads) {
   long group = heads / kv_heads;
-  attend_t attend = ATTENDS[group][D == 32 ? 0 : D == 64 ? 1 : 2];
+  attend_t attend = ATTENDS[item == 2][group][D == 32 ? 0 : D == 64 ? 1 : 2];
   long splits = (2L * num_threads + rows - 1) / rows;       /* tasks per row: ~2 per thread in all */
   splits = splits < 1 ? 1 : splits > kv_heads ? kv_heads : splits;
   #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (long task = 0; task < rows * splits; task++) {
     long r = task / splits, part = task % splits;
     attend_heads(attend, group, D, q + r * ldq, out + r * ldo, kv_heads * part / splits, kv_heads * (part + 1) / splits,
-                 k_base, v_base, block_stride, block_size, block_tables + (row_seq ? row_seq[r] : r) * max_blocks,
+                 k_base, v_base, item, block_stride, block_size, block_tables + (row_seq ? row_seq[r] : r) * max_blocks,
                  row_len[r]);
   }
 }
@@ -225,8 +344,8 @@ void paged_attention(const float* q, float* out, long rows, long heads, long kv_
                      const float* k_base, const float* v_base, long block_stride, long block_size,
                      const int64_t* block_tables, long max_blocks, const int64_t* row_seq,
                      const int64_t* row_len, int num_threads) {
-  attention(q, heads * D, out, heads * D, rows, heads, kv_heads, D, k_base, v_base, block_stride, block_size,
-            block_tables, max_blocks, row_seq, row_len, num_threads);
+  attention(q, heads * D, out, heads * D, rows, heads, kv_heads, D, (const char*)k_base, (const char*)v_base,
+            sizeof(float), block_stride, block_size, block_tables, max_blocks, row_seq, row_len, num_threads);
 }
 
 /* ---- the small ops around them, fused: each torch op costs microseconds of dispatch, and a decode
@@ -251,9 +370,9 @@ void rms_norm(float* x, const float* delta, long rows, long dim, long ldx, long 
 /* Rotate-half RoPE on every q and k head of each row of qkv ([T][q heads | kv heads | kv heads] x D,
    row stride ld) in place, with row t's angles in cos_rows/sin_rows [T][D/2]; then store each row's
    K and V at (slot_block, slot_offset) of the pool. */
-void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long D, const float* cos_rows,
-                   const float* sin_rows, float* k_base, float* v_base,
-                   long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset) {
+static void rope_store(float* qkv, long T, long ld, long heads, long kv_heads, long D, const float* cos_rows,
+                       const float* sin_rows, char* k_base, char* v_base, long item,
+                       long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset) {
   long half = D / 2;
   for (long t = 0; t < T; t++) {
     float* row = qkv + t * ld;
@@ -271,11 +390,23 @@ void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long 
     for (long j = 0; j < kv_heads; j++) {
       const float* k = row + (heads + j) * D;
       const float* v = row + (heads + kv_heads + j) * D;
-      float* kd = k_base + slot + j * block_size * D;
-      float* vd = v_base + slot + j * block_size * D;
-      for (long i = 0; i < D; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+      long at = (slot + j * block_size * D) * item;
+      if (item == 2) {
+        bf16 *kd = (bf16*)(k_base + at), *vd = (bf16*)(v_base + at);
+        for (long i = 0; i < D; i++) { kd[i] = to_bf16(k[i]); vd[i] = to_bf16(v[i]); }
+      } else {
+        float *kd = (float*)(k_base + at), *vd = (float*)(v_base + at);
+        for (long i = 0; i < D; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+      }
     }
   }
+}
+
+void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long D, const float* cos_rows,
+                   const float* sin_rows, float* k_base, float* v_base,
+                   long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset) {
+  rope_store(qkv, T, ld, heads, kv_heads, D, cos_rows, sin_rows, (char*)k_base, (char*)v_base, sizeof(float),
+             block_stride, block_size, slot_block, slot_offset);
 }
 
 /* ---- one decoder layer for a batch of decode rows (one new token per sequence), in one call ----
@@ -283,13 +414,15 @@ void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long 
    Python each costs microseconds of dispatch and an allocation (about 14 ms of a 66 ms SmolLM2 step
    on one AVX2 core, issue 12). Here the layer's norms, matmuls, RoPE, K/V store, attention, SiLU
    and residual adds run back to back on scratch memory. The per-op path stays for prefill. */
-struct packed { const float* panels; long cols, n; const float* bias; };   /* n columns, padded to cols */
+/* n columns (padded to cols); fp32 panels for gemm_packed, or (bf16) the [n][K] weight itself for gemv_bf16 */
+struct packed { const float* panels; const bf16* rows; long cols, n; const float* bias; };
 
 struct decode_layer_weights {
   const float *norm1, *norm2; float eps1, eps2;
   struct packed qkv, o, gate_up, down;
   long hidden, heads, kv_heads, head_dim, intermediate;
-  float* k_base; float* v_base; long block_stride, block_size;   /* this layer's K and V in the pool */
+  char* k_base; char* v_base; long kv_item;        /* this layer's K and V in the pool, elements of kv_item bytes */
+  long block_stride, block_size;                   /* (in elements) */
 };
 
 struct decode_batch {
@@ -303,7 +436,10 @@ struct decode_batch {
 };
 
 static void linear(const float* x, long M, long K, long ldx, const struct packed* w, float* y, int threads) {
-  gemm_packed(x, M, K, ldx, w->panels, w->cols, y, w->cols, threads);
+  if (w->rows)
+    gemv_bf16(x, M, K, ldx, w->rows, w->n, K, y, w->cols, threads);
+  else
+    gemm_packed(x, M, K, ldx, w->panels, w->cols, y, w->cols, threads);
   if (w->bias)
     for (long r = 0; r < M; r++)
       for (long j = 0; j < w->n; j++) y[r * w->cols + j] += w->bias[j];
@@ -318,12 +454,12 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
 
   rms_norm(x, 0, T, H, H, 0, L->norm1, L->eps1, h);
   linear(h, T, H, H, &L->qkv, qkv, threads);
-  rope_store_kv(qkv, T, L->qkv.cols, L->heads, L->kv_heads, D, B->cos_rows, B->sin_rows, L->k_base, L->v_base,
-                L->block_stride, L->block_size, B->slot_block, B->slot_offset);
+  rope_store(qkv, T, L->qkv.cols, L->heads, L->kv_heads, D, B->cos_rows, B->sin_rows, L->k_base, L->v_base,
+             L->kv_item, L->block_stride, L->block_size, B->slot_block, B->slot_offset);
   for (long r = 0; r < T; r++)
     for (long i = 0; i < q_size; i++) qkv[r * L->qkv.cols + i] *= B->scale;
-  attention(qkv, L->qkv.cols, att, q_size, T, L->heads, L->kv_heads, D, L->k_base, L->v_base, L->block_stride,
-            L->block_size, B->block_tables, B->max_blocks, 0, B->lens, threads);
+  attention(qkv, L->qkv.cols, att, q_size, T, L->heads, L->kv_heads, D, L->k_base, L->v_base, L->kv_item,
+            L->block_stride, L->block_size, B->block_tables, B->max_blocks, 0, B->lens, threads);
   linear(att, T, q_size, q_size, &L->o, o, threads);
   rms_norm(x, o, T, H, H, L->o.cols, L->norm2, L->eps2, h);          /* x += o, h = norm(x) */
   linear(h, T, H, H, &L->gate_up, gu, threads);

@@ -1,4 +1,5 @@
-"""The fp32 CPU kernels of cpu_kernels.c: built once per machine, loaded with ctypes, torch otherwise.
+"""The CPU kernels of cpu_kernels.c (fp32, and bf16 decode): built once per machine, loaded with ctypes,
+torch otherwise.
 
 Why a compiled kernel at all (issue 12, measured on a 2-core AMD EPYC without AVX-512): torch's fp32
 `linear` at 1-16 rows read the weights at about half the memory bandwidth (the 49,152-row output
@@ -7,9 +8,14 @@ blocks out of the pool at every layer. The C file is small, has no dependency be
 gcc, and compiles in about a second, so it is built on first use into the build cache under a key
 of its source, the compiler and this CPU's flags (-march=native), and shared by every process.
 
+In fp32 every linear layer is re-laid for gemm_packed (prefill too). In bf16 (issue 25) the weights
+keep torch's layout and prefill stays on torch's bf16 matmuls (oneDNN's, with the CPU's native bf16
+dot products where it has them); decode-only work (FusedDecode over the decode rows, and the logits)
+reads those same bf16 weights through gemv_bf16, with fp32 activations, and a bf16 K/V pool.
+
 When anything is missing (no gcc, no AVX2/FMA, a failed build, a model shape the kernels don't cover,
-bf16/fp16, a GPU) the engine runs the torch paths of kvhandoff.model.llama, which stay the reference
-the tests compare against; `status()` says which and why.
+fp16, a GPU) the engine runs the torch paths of kvhandoff.model.llama, which stay the reference the
+tests compare against; `status()` says which and why.
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ DISABLE_ENV = "KVHANDOFF_CPU_KERNELS"   # "0": never use them (A/B against the t
 _P, _L = ctypes.c_void_p, ctypes.c_long
 _SIGNATURES = {
     "gemm_packed": [_P, _L, _L, _L, _P, _L, _P, _L, ctypes.c_int],
+    "gemv_bf16": [_P, _L, _L, _L, _P, _L, _L, _P, _L, ctypes.c_int],
+    "gemv_bf16_native_for": [_L],
     "paged_attention": [_P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _P, _P, ctypes.c_int],
     "paged_attention_supports": [_L, _L, _L],
     "rms_norm": [_P, _P, _L, _L, _L, _L, _P, ctypes.c_float, _P],
@@ -48,14 +56,14 @@ _SIGNATURES = {
 
 
 class _Packed(ctypes.Structure):                # struct packed
-    _fields_ = [("panels", _P), ("cols", _L), ("n", _L), ("bias", _P)]
+    _fields_ = [("panels", _P), ("rows", _P), ("cols", _L), ("n", _L), ("bias", _P)]
 
 
 class _LayerWeights(ctypes.Structure):          # struct decode_layer_weights
     _fields_ = [("norm1", _P), ("norm2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
                 ("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed), ("down", _Packed),
                 ("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("intermediate", _L),
-                ("k_base", _P), ("v_base", _P), ("block_stride", _L), ("block_size", _L)]
+                ("k_base", _P), ("v_base", _P), ("kv_item", _L), ("block_stride", _L), ("block_size", _L)]
 
 
 class _Batch(ctypes.Structure):                 # struct decode_batch
@@ -104,7 +112,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"off (build failed: {str(err)[:200]})"
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
-    return lib, "on (gcc -march=native, fp32)"
+    return lib, "on (gcc -march=native)"
 
 
 def status() -> str:
@@ -158,6 +166,29 @@ class PackedLinear(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight (a tied embedding looked up from the packed copy: one copy of it)."""
         return self.panels[ids // PANEL, :, ids % PANEL]
+
+
+def bf16_supported(hidden: int, q_size: int, intermediate: int) -> bool:
+    """gemv_bf16 reads 8 values of k at a time: every linear's input width must be a multiple of 8."""
+    return available() and hidden % 8 == 0 and q_size % 8 == 0 and intermediate % 8 == 0
+
+
+def native_bf16(in_features: int) -> bool:
+    """Does gemv_bf16 use the CPU's bf16 dot products (AVX512-BF16) for this input width? Then it
+    rounds x to bf16 first, as torch's bf16 matmuls do; otherwise it widens the weights to fp32."""
+    return bool(_load()[0].gemv_bf16_native_for(in_features))
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp32) @ weight^T, weight bf16 [N, K] in torch's layout: fp32 [M, N] (the logits of
+    decode rows, read from the bf16 head as the layers read theirs)."""
+    lib = _load()[0]
+    assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    lib.gemv_bf16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), weight.shape[0],
+                  weight.stride(0), y.data_ptr(), y.stride(0), _threads())
+    return y
 
 
 @functools.cache
@@ -219,15 +250,19 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, r
 
 @dataclass
 class DecoderWeights:
-    """What decode_layer needs of one decoder layer (the model's own tensors, not copies)."""
+    """What decode_layer needs of one decoder layer: the model's own linears (fp32 PackedLinear, or
+    nn.Linear with a bf16 weight, read in place) and its norms' weights in fp32 (a copy if bf16)."""
     norm1: torch.Tensor
     eps1: float
     norm2: torch.Tensor
     eps2: float
-    qkv: PackedLinear
-    o: PackedLinear
-    gate_up: PackedLinear
-    down: PackedLinear
+    qkv: PackedLinear | nn.Linear
+    o: PackedLinear | nn.Linear
+    gate_up: PackedLinear | nn.Linear
+    down: PackedLinear | nn.Linear
+
+    def __post_init__(self):
+        self.norm1, self.norm2 = self.norm1.float().contiguous(), self.norm2.float().contiguous()
 
 
 class FusedDecode:
@@ -239,6 +274,7 @@ class FusedDecode:
         self.layers, self.heads, self.kv_heads, self.head_dim, self.scale = layers, heads, kv_heads, head_dim, scale
         first = layers[0]
         self.hidden, self.intermediate = first.qkv.in_features, first.down.in_features
+        self.biases: list[torch.Tensor] = []          # fp32 copies the structs point at
         assert first.gate_up.out_features == 2 * self.intermediate and first.o.in_features == heads * head_dim
         assert first.qkv.out_features == (heads + 2 * kv_heads) * head_dim
         self._structs: list[_LayerWeights] = []
@@ -249,22 +285,29 @@ class FusedDecode:
         pool = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
         if pool == self._pool:
             return self._structs
-        assert kv_cache.dtype == torch.float32 and kv_cache.stride()[2:] == kv_cache[0, 0].contiguous().stride()
+        assert kv_cache.dtype in (torch.float32, torch.bfloat16)
+        assert kv_cache.stride()[2:] == kv_cache[0, 0].contiguous().stride()
         block_size, item = kv_cache.shape[4], kv_cache.element_size()
 
-        def packed(linear: PackedLinear) -> _Packed:
-            bias = None if linear.bias is None else linear.bias.contiguous()
-            linear.bias = bias                          # the struct points at this tensor: keep it alive
-            return _Packed(linear.panels.data_ptr(), linear.panels.shape[0] * PANEL, linear.out_features,
+        def packed(linear: PackedLinear | nn.Linear) -> _Packed:
+            bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+            if bias is not None:
+                self.biases.append(bias)                # the struct points at this tensor: keep it alive
+            if isinstance(linear, PackedLinear):
+                return _Packed(linear.panels.data_ptr(), None, linear.panels.shape[0] * PANEL, linear.out_features,
+                               None if bias is None else bias.data_ptr())
+            weight = linear.weight
+            assert weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            return _Packed(None, weight.data_ptr(), linear.out_features, linear.out_features,
                            None if bias is None else bias.data_ptr())
 
-        structs = []
+        structs, self.biases = [], []
         for index, w in enumerate(self.layers):
             k_base = kv_cache.data_ptr() + index * kv_cache.stride(1) * item
             structs.append(_LayerWeights(
                 w.norm1.data_ptr(), w.norm2.data_ptr(), w.eps1, w.eps2, packed(w.qkv), packed(w.o),
                 packed(w.gate_up), packed(w.down), self.hidden, self.heads, self.kv_heads, self.head_dim,
-                self.intermediate, k_base, k_base + kv_cache.stride(2) * item, kv_cache.stride(0), block_size))
+                self.intermediate, k_base, k_base + kv_cache.stride(2) * item, item, kv_cache.stride(0), block_size))
         self._structs, self._pool = structs, pool
         return structs
 

@@ -326,14 +326,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_head: kernels.PackedLinear | None = None       # set by use_cpu_kernels
-        self.fused_decode: kernels.FusedDecode | None = None        # decode-only steps, set by use_cpu_kernels
+        self.fused_decode: kernels.FusedDecode | None = None        # every step's decode rows (use_cpu_kernels)
 
     def use_cpu_kernels(self) -> None:
-        """Serve through kernels.py: every linear layer's weight re-laid once for gemm_packed (the
+        """Serve through kernels.py. fp32: every linear layer's weight re-laid once for gemm_packed (the
         original dropped, so memory stays one copy; a tied embedding is looked up from the packed
-        output matrix), decode attention reading the pool in place. Serving only: the HF state-dict
-        methods need the plain layout."""
-        assert kernels.available() and next(self.parameters()).dtype == torch.float32
+        output matrix), decode attention reading the pool in place. bf16: the weights stay as they
+        are (prefill on torch's bf16 matmuls), decode rows and their logits through the kernels,
+        which read the same bf16 weights. Serving only: the HF state-dict methods need the plain
+        layout."""
+        dtype = next(self.parameters()).dtype
+        assert kernels.available() and dtype in (torch.float32, torch.bfloat16)
+        if dtype == torch.bfloat16:     # (the weights as they are: prefill keeps torch's bf16 matmuls)
+            self.fused_decode = self._fused_decode()
+            return
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj, attn.o_proj = kernels.PackedLinear.of(attn.qkv_proj), kernels.PackedLinear.of(attn.o_proj)
@@ -341,17 +347,28 @@ class LlamaModel(nn.Module):
             attn.paged_kernel = layer.fused_norms = True
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_head = kernels.PackedLinear(head.detach(), None)
-        cfg = self.cfg
-        if not cfg.qk_norm:         # (q/k norms would need their own pass in decode_layer)
-            self.fused_decode = kernels.FusedDecode(
-                [kernels.DecoderWeights(layer.input_layernorm.weight.detach(), layer.input_layernorm.eps,
-                                        layer.post_attention_layernorm.weight.detach(),
-                                        layer.post_attention_layernorm.eps, layer.self_attn.qkv_proj,
-                                        layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                 for layer in self.layers], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        self.fused_decode = self._fused_decode()
         if self.lm_head is None:
             self.embed_tokens = None
         self.lm_head = None
+
+    def _fused_decode(self) -> kernels.FusedDecode | None:
+        cfg = self.cfg
+        if cfg.qk_norm:             # (q/k norms would need their own pass in decode_layer)
+            return None
+        return kernels.FusedDecode(
+            [kernels.DecoderWeights(layer.input_layernorm.weight.detach(), layer.input_layernorm.eps,
+                                    layer.post_attention_layernorm.weight.detach(),
+                                    layer.post_attention_layernorm.eps, layer.self_attn.qkv_proj,
+                                    layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+             for layer in self.layers], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+
+    def _decode_rows(self, x: torch.Tensor, positions, meta: BatchMetadata, kv_cache, on_layer) -> torch.Tensor:
+        """The decode rows (one token per sequence, after the prefill rows) through FusedDecode, in fp32."""
+        P = meta.num_prefill_tokens
+        rope = self.rotary.table(positions[P:], torch.float32)
+        return self.fused_decode(x[P:].float().contiguous(), rope, meta.slot_block[P:], meta.slot_offset[P:],
+                                 meta.decode_block_ids, meta.decode_context_lens, kv_cache, on_layer)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) if self.embed_tokens is not None else self.packed_head.rows(input_ids)
@@ -360,12 +377,22 @@ class LlamaModel(nn.Module):
         """`on_layer(i)`, if given, runs once layer i's K/V for this batch are in the pool (layer-wise
         handoff sends them while later layers compute)."""
         x = self.embed(input_ids)
-        rope = self.rotary.table(positions, x.dtype)
-        if self.fused_decode is not None and not meta.prefills and \
+        P = meta.num_prefill_tokens
+        if self.fused_decode is not None and x.shape[0] > P and \
                 kernels.attention_supported(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, kv_cache.shape[4]):
-            x = self.fused_decode(x.contiguous(), rope, meta.slot_block, meta.slot_offset, meta.decode_block_ids,
-                                  meta.decode_context_lens, kv_cache, on_layer)
-            return self.norm(x)
+            # Decode rows always through the kernels, apart from any prefill rows beside them: a
+            # sequence's token is then computed the same way whatever shares its step (batch-invariant).
+            decode = self.norm(self._decode_rows(x, positions, meta, kv_cache, None if P else on_layer))
+            if not P:
+                return decode
+            prefill_meta = BatchMetadata(meta.slot_block[:P], meta.slot_offset[:P], meta.prefills, P)
+            prefill = self._layers(x[:P], positions[:P], prefill_meta, kv_cache, on_layer)
+            return torch.cat([prefill.to(decode.dtype), decode])
+        return self._layers(x, positions, meta, kv_cache, on_layer)
+
+    def _layers(self, x, positions, meta: BatchMetadata, kv_cache, on_layer) -> torch.Tensor:
+        """Every row through the layers, op by op (torch, or the fp32 kernels' PackedLinear)."""
+        rope = self.rotary.table(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, kv_cache)
             if on_layer is not None:
@@ -376,6 +403,8 @@ class LlamaModel(nn.Module):
         if self.packed_head is not None:
             return self.packed_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.fused_decode is not None and weight.dtype == torch.bfloat16:
+            return kernels.linear_bf16(hidden, weight.detach())        # (fp32 rows; the decode rows' way)
         return F.linear(hidden, weight).float()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
