@@ -77,7 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context limit; 0 uses the model's (default: %(default)s)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--threads", type=int, default=d["threads"],
-                   help="torch intra-op threads; 0 leaves torch's default (default: %(default)s)")
+                   help="threads the engine computes with; 0: torch's default, every core this process may "
+                        "use. Workers that share cores should take 1 each (kvhandoff up gives each the cores it "
+                        "owns): a team of threads spins while its engine computes (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d["seed"], help="(default: %(default)s)")
 
 

@@ -665,6 +665,7 @@ def main(argv=None) -> int:
 
     meta = {
         "model": args.model, "model_path": str(engine.loaded.path), "dtype": str(engine.dtype).removeprefix("torch."),
+        "dtype_reason": engine.dtype_reason,
         "device": str(engine.device), "threads": args.threads, "repeats": args.repeats, "kernels": engine.kernels,
         "torch_paths_side": torch_engine is not None,
         "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens, "concurrency": args.concurrency,
