@@ -28,10 +28,10 @@ random.Random). What it models, and what it leaves out:
   worker at its index modulo the real count (a slow one stays slow, in the same share);
 - the spread the calibration run measured is drawn per request (seeded): its prefill time is the
   fitted one plus a residual measured at a similar size, and so is its transfer over the free link
-  (behind an emulated link the link's own queue is the spread), its TPOT the fitted one times a measured ratio, its first two
-  tokens' delays measured ones. (A
-  request's drawn TPOT ratio stretches its own timeline only: its seat in the batch frees when the
-  fitted steps are done, so the batch dynamics stay the fitted ones.)
+  (behind an emulated link the link's own queue is the spread), its TPOT the fitted one times a
+  measured ratio, its first two tokens' delays measured ones. (A request's drawn TPOT ratio
+  stretches its own timeline only: its seat in the batch frees when the fitted steps are done, so
+  the batch dynamics stay the fitted ones.)
 """
 from __future__ import annotations
 

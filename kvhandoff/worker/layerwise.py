@@ -6,8 +6,8 @@ After each group of layers of each prefill chunk (LAYER_WRITES_PER_CHUNK groups 
 of a block's layers is one contiguous range, so a group costs no more descriptors than one layer,
 and the per-write overhead, paid on the prefill's own core, is not paid per layer; fewer groups where
 a group's bytes would be under MIN_WRITE_BYTES) the engine calls on_layer, and the writer thread
-WRITEs those layers of the chunk's blocks. Each (block, layer) range
-is written exactly once, when it is final, so writes never overlap and their order does not matter:
+WRITEs those layers of the chunk's blocks. Each (block, layer) range is written exactly once, when
+it is final, so writes never overlap and their order does not matter:
 - a chunk writes the blocks it completes: a block it only starts (the prompt goes on past the
   chunk) waits for the chunk that completes it;
 - a registration that arrives after some chunks (or layers) were computed first catches up: the
