@@ -9,10 +9,11 @@
  * decode_layer: a whole decoder layer for a batch of decode rows in one call (norms, the four
  *   matmuls, RoPE and the K/V store, attention, SiLU, residual adds), for decode-only steps.
  * bf16 (issue 25): gemv_bf16 reads a bf16 weight in its own [N][K] layout (the one torch's bf16
- *   prefill uses: one copy of the weights) and the attention reads a bf16 K/V pool, widening each
- *   value to fp32 on load (a shift: works on every AVX2 CPU); activations and sums stay fp32. A decode
- *   step reads half the bytes of fp32's, and every row's sums run in one order whatever the batch
- *   (batch-invariant), which torch's bf16 paths did not.
+ *   prefill uses: one copy of the weights), with the CPU's bf16 dot products where it has them (its
+ *   input rounded to bf16, as torch rounds it) and else widening each weight to fp32 on load (a
+ *   shift: every AVX2 CPU); the attention reads a bf16 K/V pool, widened on load; activations and
+ *   sums stay fp32. A decode step reads half the bytes of fp32's, and every row's sums run in one
+ *   order whatever the batch (batch-invariant), which torch's bf16 paths did not.
  *
  * Built by kvhandoff/model/kernels.py with the system's gcc and -march=native, once per machine
  * (the build cache key includes the CPU flags); loaded with ctypes into a process that already
