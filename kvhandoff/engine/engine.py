@@ -39,10 +39,11 @@ def pick_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype, str
                           else ("cpu" if cfg.device == "auto" else cfg.device))
     if cfg.dtype != "auto":
         return device, getattr(torch, cfg.dtype), f"--dtype {cfg.dtype}"
-    # Measured by kvhandoff.bench.engine (2-core AMD EPYC with AVX512-BF16, SmolLM2, 1,024 tokens,
-    # 2026-12-03): bf16 prefill on torch's native bf16 matmuls 2.1 s against 3.1-3.6 s for fp32 through
-    # our kernels, and bf16 decode through them 18 ms a token against 33-40 ms. Without bf16
-    # instructions torch's bf16 matmuls are emulated and the prefill crawls: fp32 there.
+    # Measured side by side (python -m kvhandoff.bench.engine --dtypes-compare, one thread, SmolLM2,
+    # 1,024 tokens, 2-core AMD EPYC with AVX512-BF16, 2026-12-03): bf16 prefill on torch's native bf16
+    # matmuls 2.2 s against 4.1 s for fp32 through our kernels, bf16 decode through our kernels 21 ms
+    # a token against 36.5. Without bf16 instructions torch's bf16 matmuls are emulated and the
+    # prefill crawls: fp32 there.
     if device.type == "cuda":
         return device, torch.bfloat16, "auto: bf16 on CUDA"
     if cpu_has_fast_bf16():
