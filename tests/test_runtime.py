@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,6 +21,8 @@ from kvhandoff.wire.modes import Mode
 from kvhandoff.worker.config import HandoffConfig
 from kvhandoff.worker.connector import Connector
 from kvhandoff.worker.handoff import HTTPControl
+from kvhandoff.worker.layerwise import MIN_WRITE_BYTES, LayerwisePrefill
+from kvhandoff.worker.push import PushJob
 from kvhandoff.worker.runtime import Counters, Incoming
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -216,9 +219,6 @@ def test_a_worker_dying_under_a_control_request_is_a_connection_error(raised):
 def layerwise_writes(num_layers: int, token_bytes_per_layer: int, prompt_tokens: int, chunk_tokens: int) -> list:
     """The WRITEs layer-wise push queues while a prompt computes, chunk by chunk and layer by layer
     (each (first block, blocks, first layer, layers)); push's final WRITE takes the rest."""
-    from types import SimpleNamespace
-    from kvhandoff.worker.layerwise import LayerwisePrefill
-    from kvhandoff.worker.push import PushJob
     block_size = 32
     blocks = -(-prompt_tokens // block_size)
     side = LayerwisePrefill.__new__(LayerwisePrefill)
@@ -242,7 +242,6 @@ def test_layerwise_writes_carry_at_least_a_mebibyte():
     """A WRITE costs the prefill's core ~0.2 ms whatever its size: layer-wise push groups layers so that
     each carries MIN_WRITE_BYTES (or a sixth of the layers, whichever is more), and a prompt whose last
     chunk would go in one WRITE anyway leaves it to push's final one."""
-    from kvhandoff.worker.layerwise import MIN_WRITE_BYTES
     tiny, smollm2_bf16 = (4, 512), (30, 768)         # layers, bytes of K and V per token and layer
     assert layerwise_writes(*tiny, prompt_tokens=501, chunk_tokens=512) == []     # 1 MiB in all: one WRITE
     # 1,002 tokens in chunks of 64 (128 KiB each): a WRITE per chunk after its last layer, but the last
