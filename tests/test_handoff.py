@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -32,19 +34,25 @@ def body(prompt: str, **extra) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
 
 
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("handoff")
+@contextmanager
+def three_workers(args: list[str], logs: Path):
+    """A prefill, a decode and a colocated worker: {"prefill", "decode", "colocated"}."""
     started = []
     try:
         for role in ("prefill", "decode", "both"):
             # max_num_batched_tokens 64: long prompts prefill in chunks, which layer-wise push sends early
             extra = ["--max-num-batched-tokens", "64"] if role == "prefill" else []
-            started.append(ServerProcess([*COMMON, "--role", role, *extra], logs / f"{role}.log"))
+            started.append(ServerProcess([*args, "--role", role, *extra], logs / f"{role}.log"))
         yield dict(zip(("prefill", "decode", "colocated"), started))
     finally:
         for server in started:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    with three_workers(COMMON, tmp_path_factory.mktemp("handoff")) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -110,21 +118,15 @@ def test_every_mode_matches_colocated_in_bf16(tmp_path):
     """The same in bf16 (issue 25; the module's workers run fp32): KV handed over in bf16, decode rows
     through the bf16 kernels where they build, several requests in flight at once."""
     bf16 = [arg if arg != "float32" else "bfloat16" for arg in COMMON]
-    started = []
-    try:
-        for role in ("prefill", "decode", "both"):
-            started.append(ServerProcess([*bf16, "--role", role], tmp_path / f"{role}.log"))
-        prefill, decode, colocated = (server.url for server in started)
+    with three_workers(bf16, tmp_path) as started:
+        prefill, decode, colocated = (started[role].url for role in ("prefill", "decode", "colocated"))
         expected = [httpx.post(f"{colocated}/v1/completions", json=body(p), timeout=60).json()["choices"][0]["text"]
                     for p in PROMPTS]
         for mode in MODES:
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 results = list(pool.map(lambda p: disaggregated(prefill, decode, mode, body(p)), PROMPTS))
             assert [response["choices"][0]["text"] for _, response in results] == expected, mode
-        assert all(server.health()["dtype"] == "bfloat16" for server in started)
-    finally:
-        for server in started:
-            server.stop()
+        assert all(server.health()["dtype"] == "bfloat16" for server in started.values())
 
 
 def test_handoffs_need_the_control_token(workers):

@@ -208,9 +208,10 @@ def test_gemv_bf16_equals_f_linear_and_each_row_is_batch_invariant(rows, out_fea
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_bf16_fused_decode_step_gives_the_reference_logits(bias):
-    """bf16 weights and a bf16 K/V pool: decode_layer (fp32 activations, weights widened on load)
-    against the torch model on the same bf16 weights in fp32 (the same maths but for the pool's
-    rounding to bf16); torch's own bf16 path, which rounds every activation to bf16, is farther from it."""
+    """bf16 weights and a bf16 K/V pool: decode_layer (fp32 activations, each matmul's input rounded to
+    bf16 where the CPU's bf16 dot products serve, weights widened on load elsewhere) against the torch
+    model on the same bf16 weights in fp32 (the same maths but for those roundings); torch's own bf16
+    path, which rounds every activation to bf16, is farther from it."""
     plain = small_model(bias, seed=5).bfloat16()
     cfg = plain.cfg
     fused = LlamaModel(cfg).eval().bfloat16()

@@ -171,7 +171,7 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 log = logging.getLogger("kvhandoff.transfer")
 
 
-def prefault(array: np.ndarray) -> threading.Thread:
+def prefault(array: np.ndarray) -> None:
     """Map every page of a segment's mapping now, on a thread of its own (through ctypes, so without
     the GIL: ~0.2 s for 512 MiB, which must not stall anyone). On a kernel without
     MADV_POPULATE_WRITE (before 5.14), by reading a byte of every page (a read fault maps a page of a
@@ -181,9 +181,7 @@ def prefault(array: np.ndarray) -> threading.Thread:
             log.debug("madvise(MADV_POPULATE_WRITE): %s; reading every page instead",
                       os.strerror(ctypes.get_errno()))
             array[::mmap.PAGESIZE].max()
-    thread = threading.Thread(target=populate, name="kvh-prefault", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=populate, name="kvh-prefault", daemon=True).start()
 
 
 def sweep_stale_segments(pid: int | None = None, directory: str = SHM_DIR) -> list[str]:
