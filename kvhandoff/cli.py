@@ -169,6 +169,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvhandoff.wire.http import serve_forever
     from kvhandoff.worker.server import EngineInfo, build_app
 
+    from kvhandoff.worker.faults import Faults
+    try:
+        faults = Faults.parse(args.inject_faults)
+    except ValueError as exc:
+        raise SystemExit(f"kvhandoff serve: --inject-faults: {exc}") from None
+    # A colocated server has no handoff to fault: only a slow step means anything there, and a fault
+    # that would be silently ignored is refused instead.
+    if args.role == "both" and faults != Faults(step_ms=faults.step_ms):
+        raise SystemExit("kvhandoff serve: --inject-faults: a colocated server (--role both) takes only step_ms=N")
     agent = connector = None
     if args.role == "both":
         engine = LLMEngine(engine_config(args))
@@ -176,19 +185,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvhandoff.transfer.agent import TransferAgent
         from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
         from kvhandoff.wire.messages import PROTOCOL
-        from kvhandoff.worker.faults import Faults
         secret = resolve_secret(args.kv_secret)
         if not secret:
             raise SystemExit(f"--role {args.role} needs the deployment secret: --kv-secret or ${SECRET_ENV}")
-        try:
-            faults = Faults.parse(args.inject_faults)
-        except ValueError as exc:
-            raise SystemExit(f"kvhandoff serve: --inject-faults: {exc}") from None
         worker_name = f"{args.role}-{args.port}-{os.getpid()}"
         agent = TransferAgent(worker_name, secret, backend=args.kv_backend, listen_host=args.kv_host or args.host,
                               shm_dir=args.kv_shm_dir, protocol=PROTOCOL)
         engine = LLMEngine(engine_config(args), kv_allocator=lambda nbytes: agent.allocate_region("kv", nbytes))
     loop = EngineLoop(engine)
+    if faults.any:
+        log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)
+    loop.step_delay_s = faults.step_ms / 1000
     try:
         max_in_flight = args.max_in_flight if args.max_in_flight > 0 else None
         app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model), max_in_flight, args.queue_wait_s)
@@ -197,9 +204,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from kvhandoff.worker.config import HandoffConfig, RetentionConfig
             from kvhandoff.worker.connector import Connector
             from kvhandoff.worker.handoff import WorkerHandoff, attach_worker_routes
-            if faults.any:
-                log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)
-            loop.step_delay_s = faults.step_ms / 1000
             handoff_cfg = HandoffConfig(args.lease_s, args.kv_timeout_s, args.kv_load_failure_policy,
                                         bidirectional=args.bidirectional,
                                         retention=RetentionConfig(args.retention_ttl, args.retention_max_bytes),

@@ -3,6 +3,8 @@ gets 429 with Retry-After, through a worker and through the router; every reques
 (a full answer or an explicit 429), nothing crashes, nothing leaks."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -62,6 +64,15 @@ def test_worker_sheds_load_with_429(tmp_path):
         assert 'status="429"' in metrics
     finally:
         server.stop()
+
+
+def test_a_colocated_server_refuses_faults_it_would_ignore():
+    """--inject-faults on --role both: step_ms (which the test above relies on) is applied; a handoff
+    fault has nothing to act on there and is refused rather than silently ignored (it once ignored
+    step_ms too, and a fast CI machine drained the flood above without shedding)."""
+    r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "serve", "--model", "tiny", "--port", "0",
+                        "--inject-faults", "kill_at=decode"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "takes only step_ms=N" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_router_relays_backpressure(tmp_path):
