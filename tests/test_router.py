@@ -813,6 +813,25 @@ def check_first_token_early(url: str, mode: str, cases: list, expected: list) ->
         assert gap <= max(0.25 * path, 3.0), (what, path, gap, outside)
 
 
+@pytest.mark.parametrize("mode", ["push", "push-layerwise"])
+def test_a_client_gone_mid_prompt_gets_the_decode_blocks_back_at_once(mode, tmp_path):
+    """Push: the decode worker reserves blocks before the prompt is computed, and when its request ends
+    first it sets them aside (a WRITE may still land in them). The cancelled prefill tells it once no
+    WRITE can (after the layer-wise WRITEs it already posted), so they come back within seconds, not at
+    the settle time (2 x --kv-timeout-s: 120 s here). Once left to the settle time (seen on CI)."""
+    slow_prefill = "--prefill-args=--inject-faults step_ms=100 --max-num-batched-tokens 64 --kv-timeout-s 60"
+    up = start_up(tmp_path, mode, "--decode-args=--kv-timeout-s 60", slow_prefill, *SAME_ENGINES)
+    try:
+        body = {"prompt": PROMPTS[-1], "max_tokens": 4, "temperature": 0}
+        # 2,048 tokens in chunks of 64 at 100 ms or more each: gone while the prompt is being computed,
+        # its registration made and (push-layerwise) layers already written.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(up.url + "/v1/completions", json=body, timeout=1.5)
+        wait_pools_at_baseline(up.url, timeout=10)
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
+
+
 @pytest.mark.parametrize("mode", ["pull", "pull-reader", "push", "push-layerwise"])
 def test_disaggregated_equals_colocated(mode, colocated_outputs, tmp_path):
     colocated_outputs, (cases, cases_colocated) = colocated_outputs
@@ -852,9 +871,20 @@ def test_ports_handed_to_children_are_outside_the_ephemeral_range():
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     ports = [free_port() for _ in range(200)]
     assert all(1024 <= port < low for port in ports), [p for p in ports if not 1024 <= p < low]
-    assert len(set(ports)) > 150            # drawn at random, not one port over and over
+    assert len(set(ports)) == len(ports)    # and never one handed out a moment ago
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", ports[0]))     # and it was free
+
+
+def test_processes_drawing_ports_at_once_never_get_the_same_one():
+    """The demo starts seven stacks at once, each process drawing ports for its children; on CI one
+    stack's router once took the port drawn for another's prefill worker. Three processes draw 150
+    each at the same time: no port twice (drawn independently from 16,384, a repeat among 450 is
+    all but certain)."""
+    script = "from kvhandoff.launch.supervisor import free_port\nprint(*(free_port() for _ in range(150)))"
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    drawn = [int(p) for proc in procs for p in proc.communicate(timeout=60)[0].split()]
+    assert len(drawn) == 450 and len(set(drawn)) == 450, sorted(p for p in drawn if drawn.count(p) > 1)
 
 
 def test_the_router_imports_only_the_wire_contract():

@@ -25,6 +25,8 @@ shaped veth pair over the tcp backend, removed again when the stack stops.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
 import secrets
@@ -32,9 +34,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -129,17 +133,54 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port to pass to a child that binds it later. Drawn below the kernel's ephemeral range, not
     from it: between our check and the child's bind, any outgoing connection (our own health polls)
     or port-0 listener (a transfer agent) can be handed an ephemeral port, and a router of `kvhandoff
-    demo` once failed to start on CI with "address already in use" that way."""
+    demo` once failed to start on CI with "address already in use" that way. And never one that any
+    kvhandoff process on this machine handed out in the last PORT_HOLD_S (a shared registry): the demo
+    starts seven stacks at once, each drawing its own ports, and on CI one stack's router once took
+    the port drawn for another's prefill worker, so that stack's router talked to the wrong server."""
     low = _ephemeral_low()
-    candidates = [random.randrange(max(1024, low - 16384), low) for _ in range(64)] if low > 2048 else [0]
-    for port in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue                # taken: draw another
-            return s.getsockname()[1]
+    candidates = [random.randrange(max(1024, low - 16384), low) for _ in range(256)] if low > 2048 else [0]
+    with _port_registry() as recent:
+        for port in candidates:
+            if port in recent:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue                # taken: draw another
+                port = s.getsockname()[1]
+            recent[port] = time.time()
+            return port
     raise OSError(f"no free port found below {low} on {host}")
+
+
+PORT_REGISTRY = Path(tempfile.gettempdir()) / "kvhandoff-ports"
+PORT_HOLD_S = 300.0     # long enough for a child to start and bind what it was given
+
+
+@contextlib.contextmanager
+def _port_registry():
+    """{port: when handed out} of every kvhandoff process here, under an exclusive lock, written back
+    (older entries dropped) on leaving. Without a writable temp dir: an empty one, kept by nobody."""
+    try:
+        fd = os.open(PORT_REGISTRY, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield {}
+        return
+    with os.fdopen(fd, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        now, recent = time.time(), {}
+        for line in f.read().split():
+            port, _, at = line.partition("@")
+            try:
+                if now - float(at) < PORT_HOLD_S:
+                    recent[int(port)] = float(at)
+            except ValueError:
+                continue            # a line another version wrote, or a torn one: dropped
+        yield recent
+        f.seek(0)
+        f.truncate()
+        f.write(" ".join(f"{port}@{at:.0f}" for port, at in recent.items()))
 
 
 def _ephemeral_low() -> int:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvhandoff.engine.request import RequestOutput, SamplingParams
-from kvhandoff.transfer.errors import TransferError
+from kvhandoff.transfer.errors import TransferError, TransferTimeout
 from kvhandoff.wire import messages as M
 from kvhandoff.worker.reuse import FetchingPrefill, ReusePrefill
 from kvhandoff.worker.runtime import DecodeSide, HandoffError, Incoming, Runtime, ms, prompt_hash
@@ -272,11 +272,14 @@ class PushPrefill(FetchingPrefill):
 
     def cancel(self, job: PushJob) -> None:
         """The router or the decode side gave up. A job the writer has started ends with its WRITE
-        (the blocks it reads from must stay pinned until then)."""
+        (the blocks it reads from must stay pinned until then). A registered decode worker hears
+        that nothing (more) will be written, so it frees the blocks it set aside at once instead of
+        at its settle time (2 x --kv-timeout-s)."""
         with job.lock:          # (one lock with _maybe_start: a job is either started or claimed here)
             if job.started or self.rt.table.claim(job.handoff_id, "cancelled", job) is None:
                 return
         job.failed = "cancelled"
+        self._tell_decode(job, M.Failed(handoff_id=job.handoff_id, reason="cancelled"))
         if job.prefilled is not None:
             self.rt.release(job.handoff_id)
         elif job.prompt_hash is not None:
@@ -291,9 +294,35 @@ class PushPrefill(FetchingPrefill):
             if job.started or self.rt.table.claim(job.handoff_id, reason, job, status) is None:
                 return False
         job.failed = reason
-        self.rt.notify(job.peer, M.Failed(handoff_id=job.handoff_id, reason=reason))
+        self._tell_decode(job, M.Failed(handoff_id=job.handoff_id, reason=reason))
         job.finish()
         return True
+
+    def _tell_decode(self, job: PushJob, note: M.Failed) -> None:
+        """Tell the registered decode worker (if any) that no more KV will come for this ended job,
+        once that is true: layer-wise WRITEs may be posted or queued, and the decode worker frees its
+        blocks on this word. The writer runs in order and a queued layer WRITE of a failed job posts
+        nothing, so a word queued behind them goes out when the last posted one is in; one still in
+        flight after the WRITE timeout leaves the word unsaid (the decode side's settle time covers it)."""
+        peer = job.peer
+        if peer is None:
+            return
+        if not job.committed:           # no layer-wise WRITE was ever queued for it
+            self.rt.notify(peer, note)
+            return
+
+        def after_writes() -> None:
+            for handle in job.pending:
+                try:
+                    handle.wait(self.rt.cfg.kv_timeout_s)
+                except TransferTimeout:
+                    log.warning("handoff %s: a layer WRITE is still in flight; its decode worker keeps the "
+                                "blocks until its settle time", job.handoff_id)
+                    return
+                except TransferError:
+                    pass                # failed: it lands nothing more
+            self.rt.notify(peer, note)
+        self.rt.writer.put(after_writes)
 
     def _decode_cancelled(self, peer: str, note: M.Cancel, job: PushJob) -> None:
         """A decode worker gave up. Once the handoff was moved (late binding), only the one that
