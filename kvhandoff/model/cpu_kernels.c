@@ -11,8 +11,8 @@
  * bf16 (issue 25): gemv_bf16 reads a bf16 weight in its own [N][K] layout (the one torch's bf16
  *   prefill uses: one copy of the weights), with the CPU's bf16 dot products where it has them (its
  *   input rounded to bf16, as torch rounds it) and else widening each weight to fp32 on load (a
- *   shift: every AVX2 CPU); the attention reads a bf16 K/V pool, widened on load; activations and
- *   sums stay fp32. A decode step reads half the bytes of fp32's, and every row's sums run in one
+ *   shift: every AVX2 CPU); the attention reads a bf16 K/V pool (with bf16 dot products too where
+ *   the CPU has them, else widened on load); activations and sums stay fp32. A decode step reads half the bytes of fp32's, and every row's sums run in one
  *   order whatever the batch (batch-invariant), which torch's bf16 paths did not.
  *
  * Built by kvhandoff/model/kernels.py with the system's gcc and -march=native, once per machine
@@ -113,29 +113,141 @@ static const dot8_t DOTS8[5] = {0, dot8_1, dot8_2, dot8_3, dot8_4};
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 /* Native bf16 dot products (AVX512-BF16): x rounded to bf16 once per call (round to nearest even, as
-   torch's bf16 matmuls round their inputs), 32 products a vdpbf16ps, summed in fp32: a decode step is
-   then bound by the weights' bytes, not by widening them. */
+   torch's bf16 matmuls round their inputs), 32 products a vdpbf16ps, summed in fp32.
+   Every output (m, n) has two accumulators (k = 0, 64, ... and k = 32, 96, ...), added, and their
+   16 lanes summed by reduce16's tree: the same sums in the same order whatever M and whichever tile
+   computes it (batch-invariant). Two tiles:
+   - fewer than 4 input rows (bound by the weights' bytes): 4 weight rows a quarter of the matrix
+     apart at once (tile_streams);
+   - 4 input rows or more: 4 x 4 tiles (4 rows x 2 weight rows x 2 accumulators at a time: ~0.75
+     loads per dot product), the next tile's weights prefetched into L2 meanwhile.
+   SmolLM2's 30 layers, one thread, Zen 4, A/B in one process against one weight row at a time (a
+   2-accumulator dot product per output, 4 input rows per pass): 16 rows 26.4 against 46.3 ms, 4 rows
+   12.1 against 17.3, 1 row 10.0 against 10.3 (the head alone: 2.2 against 2.1). */
 #define NATIVE_BF16 1
-#define DOT32(MR) \
-static void dot32_##MR(long K, const bf16* x, const bf16* w, float* y, long ldy) { \
-  __m512 acc[2][MR]; \
-  for (int i = 0; i < MR; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps(); \
+
+/* lane i = the sum of a[i]'s 16 lanes, by one tree for every lane: ((l0+l2)+(l1+l3)) within each
+   128-bit quarter, then (q0+q1)+(q2+q3) */
+static inline __m512 reduce16(const __m512* a) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; i++)
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    s2[i] = _mm512_add_ps((__m512)_mm512_unpacklo_pd((__m512d)s1[2 * i], (__m512d)s1[2 * i + 1]),
+                          (__m512)_mm512_unpackhi_pd((__m512d)s1[2 * i], (__m512d)s1[2 * i + 1]));
+  for (int i = 0; i < 2; i++)
+    s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xdd));
+}
+
+/* acc[4 j + i]: input row i (< mr) against weight row j (< nr) -> y[i * ldy + j * col] */
+static inline void store_tile(const __m512* acc, long mr, long nr, float* y, long ldy, long col) {
+  float r[16] __attribute__((aligned(64)));
+  _mm512_store_ps(r, reduce16(acc));
+  for (long i = 0; i < mr; i++)
+    for (long j = 0; j < nr; j++) y[i * ldy + j * col] = r[4 * j + i];
+}
+
+/* Two accumulators an output, for k = 0, 64, 128, ... and k = 32, 96, ... (two chains of dot
+   products in flight: one chain ran a 1-row step ~15% slower), added before reduce16. */
+#define PAIR_SUMS(a0, a1, x0, x1, w0, w1) \
+  do { a0 = _mm512_dpbf16_ps(a0, x0, w0); a1 = _mm512_dpbf16_ps(a1, x1, w1); } while (0)
+#define LOAD_BH(p) ((__m512bh)_mm512_loadu_si512(p))
+
+/* MR input rows against up to 4 weight rows `stride` rows apart, all four at once: four sequential
+   streams from far apart in memory. One core reads faster so than from one stream (SmolLM2's head,
+   56 MB: 2.1-2.4 ms against 3.1-3.9 one row after another; a plain sum of the bytes took 3.0-3.2). */
+#define STREAMS(MR) \
+static void tile_streams_##MR(const bf16* x, long K, const bf16* w, long stride, long nr, float* y, long ldy, long col) { \
+  const bf16* wj[4]; \
+  for (int j = 0; j < 4; j++) wj[j] = j < nr ? w + j * stride : w;      /* (a row past the end: computed, dropped) */ \
+  __m512 a0[4][MR], a1[4][MR]; \
+  for (int j = 0; j < 4; j++) for (int i = 0; i < MR; i++) a0[j][i] = a1[j][i] = _mm512_setzero_ps(); \
   long k = 0; \
   for (; k + 64 <= K; k += 64) \
-    for (int h = 0; h < 2; h++) { \
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * h); \
-      for (int i = 0; i < MR; i++) \
-        acc[h][i] = _mm512_dpbf16_ps(acc[h][i], (__m512bh)_mm512_loadu_si512(x + i * K + k + 32 * h), wv); \
+    for (int i = 0; i < MR; i++) { \
+      __m512bh x0 = LOAD_BH(x + i * K + k), x1 = LOAD_BH(x + i * K + k + 32); \
+      for (int j = 0; j < 4; j++) PAIR_SUMS(a0[j][i], a1[j][i], x0, x1, LOAD_BH(wj[j] + k), LOAD_BH(wj[j] + k + 32)); \
     } \
-  if (k < K) { \
-    __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k); \
-    for (int i = 0; i < MR; i++) acc[0][i] = _mm512_dpbf16_ps(acc[0][i], (__m512bh)_mm512_loadu_si512(x + i * K + k), wv); \
-  } \
-  for (int i = 0; i < MR; i++) y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i])); \
+  if (k < K) \
+    for (int i = 0; i < MR; i++) \
+      for (int j = 0; j < 4; j++) a0[j][i] = _mm512_dpbf16_ps(a0[j][i], LOAD_BH(x + i * K + k), LOAD_BH(wj[j] + k)); \
+  __m512 acc[16]; \
+  for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps(); \
+  for (int j = 0; j < 4; j++) for (int i = 0; i < MR; i++) acc[4 * j + i] = _mm512_add_ps(a0[j][i], a1[j][i]); \
+  store_tile(acc, MR, nr, y, ldy, col); \
 }
-DOT32(1) DOT32(2) DOT32(3) DOT32(4)
-typedef void (*dot32_t)(long, const bf16*, const bf16*, float*, long);
-static const dot32_t DOTS32[5] = {0, dot32_1, dot32_2, dot32_3, dot32_4};
+STREAMS(1) STREAMS(2) STREAMS(3)
+typedef void (*tile_streams_t)(const bf16*, long, const bf16*, long, long, float*, long, long);
+static const tile_streams_t TILES_STREAMS[4] = {0, tile_streams_1, tile_streams_2, tile_streams_3};
+
+/* MR input rows against 4 weight rows, two side by side at a time (4 x 2 x 2 accumulators); `next`
+   (the next tile's weights) prefetched into L2 meanwhile */
+#define TILE4(MR) \
+static void tile4_##MR(const bf16* x, long K, const bf16* w, long ldw, float* y, long ldy, const char* next) { \
+  __m512 acc[16]; \
+  for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps(); \
+  for (long jp = 0; jp < 4; jp += 2) { \
+    const bf16 *wa = w + jp * ldw, *wb = wa + ldw; \
+    __m512 a0[MR], a1[MR], b0[MR], b1[MR]; \
+    for (int i = 0; i < MR; i++) a0[i] = a1[i] = b0[i] = b1[i] = _mm512_setzero_ps(); \
+    long k = 0; \
+    for (; k + 64 <= K; k += 64) { \
+      if (next) for (long j = jp; j < jp + 2; j++) \
+        for (long at = k; at < k + 64; at += 32) __builtin_prefetch(next + (j * ldw + at) * (long)sizeof(bf16), 0, 2); \
+      __m512bh wa0 = LOAD_BH(wa + k), wa1 = LOAD_BH(wa + k + 32), wb0 = LOAD_BH(wb + k), wb1 = LOAD_BH(wb + k + 32); \
+      for (int i = 0; i < MR; i++) { \
+        __m512bh x0 = LOAD_BH(x + i * K + k), x1 = LOAD_BH(x + i * K + k + 32); \
+        PAIR_SUMS(a0[i], a1[i], x0, x1, wa0, wa1); \
+        PAIR_SUMS(b0[i], b1[i], x0, x1, wb0, wb1); \
+      } \
+    } \
+    if (k < K) { \
+      if (next) for (long j = jp; j < jp + 2; j++) __builtin_prefetch(next + (j * ldw + k) * (long)sizeof(bf16), 0, 2); \
+      for (int i = 0; i < MR; i++) { \
+        __m512bh x0 = LOAD_BH(x + i * K + k); \
+        a0[i] = _mm512_dpbf16_ps(a0[i], x0, LOAD_BH(wa + k)); \
+        b0[i] = _mm512_dpbf16_ps(b0[i], x0, LOAD_BH(wb + k)); \
+      } \
+    } \
+    for (int i = 0; i < MR; i++) { \
+      acc[4 * jp + i] = _mm512_add_ps(a0[i], a1[i]); \
+      acc[4 * (jp + 1) + i] = _mm512_add_ps(b0[i], b1[i]); \
+    } \
+  } \
+  store_tile(acc, MR, 4, y, ldy, 1); \
+}
+TILE4(1) TILE4(2) TILE4(3) TILE4(4)
+typedef void (*tile4_t)(const bf16*, long, const bf16*, long, float*, long, const char*);
+static const tile4_t TILES4[5] = {0, tile4_1, tile4_2, tile4_3, tile4_4};
+
+/* y = xb @ W^T: xb [M][K] bf16 (contiguous), W [N][K] bf16 (row stride ldw), K % 32 == 0 */
+static void gemm_native_bf16(const bf16* xb, long M, long K, const bf16* w, long N, long ldw, float* y, long ldy,
+                             int num_threads) {
+  if (M == 0 || N == 0)
+    return;
+  if (M < 4) {          /* bound by the weights' bytes: row n with rows n + q, n + 2q, n + 3q */
+    long q = (N + 3) / 4;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (long n = 0; n < q; n++)
+      TILES_STREAMS[M](xb, K, w + n * ldw, q * ldw, (N - n + q - 1) / q, y + n, ldy, q);
+    return;
+  }
+  long tiles = (N + 3) / 4;
+  #pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (long t = 0; t < tiles; t++) {
+    long n0 = 4 * t, nr = N - n0 < 4 ? N - n0 : 4;
+    for (long m0 = 0; m0 < M; m0 += 4) {
+      long mr = M - m0 < 4 ? M - m0 : 4;
+      if (nr < 4)       /* the last weight rows: one input row at a time (the same sums) */
+        for (long i = m0; i < m0 + mr; i++) TILES_STREAMS[1](xb + i * K, K, w + n0 * ldw, ldw, nr, y + i * ldy + n0, ldy, 1);
+      else
+        TILES4[mr](xb + m0 * K, K, w + n0 * ldw, ldw, y + m0 * ldy + n0, ldy,
+                   m0 == 0 && n0 + 8 <= N ? (const char*)(w + (n0 + 4) * ldw) : 0);
+    }
+  }
+}
 #endif
 
 /* Which way gemv_bf16 computes for an input width K: 1 native bf16 dot products (x rounded to bf16),
@@ -160,10 +272,7 @@ void gemv_bf16(const float* x, long M, long K, long ldx, const bf16* w, long N, 
         __m512 lo = _mm512_loadu_ps(x + m * ldx + k), hi = _mm512_loadu_ps(x + m * ldx + k + 16);
         _mm512_storeu_si512(xb + m * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (long n = 0; n < N; n++)
-      for (long m = 0; m < M; m += 4)
-        DOTS32[M - m < 4 ? M - m : 4](K, xb + m * K, w + n * ldw, y + m * ldy + n, ldy);
+    gemm_native_bf16(xb, M, K, w, N, ldw, y, ldy, num_threads);
     free(xb);
     return;
   }
@@ -320,6 +429,144 @@ static void attend_heads(attend_t attend, long group, long D, const float* q, fl
   }
 }
 
+#ifdef NATIVE_BF16
+/* bf16 K/V with the CPU's bf16 dot products (issue 25): per block, the scores of every head the task
+   owns (its K heads are one contiguous run), then the values (V likewise), with the next block's K and
+   V prefetched into L2 as the work goes; q and the probabilities rounded to bf16 for the products, as
+   torch's bf16 attention rounds them, sums in fp32. One row, 1,024 tokens of SmolLM2 (30 layers, one
+   thread, Zen 4, K/V blocks far apart in the pool): 1.9 ms against 2.8 widening each element to fp32
+   and head by head; 16 rows: 29 against 58 ms, about the time a plain read of those bytes takes in
+   that order. dp_scores: s = q.K (16 tokens a reduce16), the online softmax's update, then the
+   probabilities as bf16 pairs for dp_values, which multiplies them against V two tokens at a time (two
+   V rows interleaved: vdpbf16ps sums adjacent pairs), accumulating in a permuted order of the head's
+   dimensions that it undoes before leaving. */
+#define DP_SCORES(G, DV) \
+static void dp_scores_##G##_##DV(const float* q, struct attend_state* st, const bf16* K, long n, bf16* pbuf, \
+                                 const char* pf, long pf_lines) { \
+  enum { D = 8 * DV, C = D / 32 }; \
+  float s[G][MAX_BLOCK + 32] __attribute__((aligned(64))); \
+  bf16 (*pb)[MAX_BLOCK + 32] = (bf16 (*)[MAX_BLOCK + 32])pbuf; \
+  __m512bh qb[G][C]; \
+  for (int g = 0; g < G; g++) for (int c = 0; c < C; c++) \
+    qb[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + 32 * c + 16), _mm512_loadu_ps(q + g * D + 32 * c)); \
+  long per = pf ? (pf_lines + (n + 15) / 16 - 1) / ((n + 15) / 16) : 0, done = 0; \
+  for (long t = 0; t < n; t += 16) { \
+    long w = n - t < 16 ? n - t : 16; \
+    for (long i = 0; i < per && done < pf_lines; i++, done++) __builtin_prefetch(pf + 64 * done, 0, 2); \
+    for (int g = 0; g < G; g++) { \
+      __m512 a[16]; \
+      for (int j = 0; j < 16; j++) { \
+        a[j] = _mm512_setzero_ps(); \
+        if (j < w) for (int c = 0; c < C; c++) a[j] = _mm512_dpbf16_ps(a[j], qb[g][c], (__m512bh)_mm512_loadu_si512(K + (t + j) * D + 32 * c)); \
+      } \
+      _mm512_store_ps(&s[g][t], reduce16(a)); \
+    } \
+  } \
+  long n8 = (n + 7) & ~7L, n32 = (n + 31) & ~31L; \
+  for (int g = 0; g < G; g++) { \
+    for (long t = n; t < n8; t++) s[g][t] = -INFINITY; \
+    v8 top = *(v8*)&s[g][0]; \
+    for (long t = 8; t < n8; t += 8) { v8 x = *(v8*)&s[g][t]; top = (v8)_mm256_max_ps((__m256)top, (__m256)x); } \
+    float bm = top[0]; \
+    for (int j = 1; j < 8; j++) bm = top[j] > bm ? top[j] : bm; \
+    float mn = bm > st->m[g] ? bm : st->m[g], corr = expf(st->m[g] - mn); \
+    st->m[g] = mn; \
+    v8 sum = {0}; \
+    for (long t = 0; t < n8; t += 8) { \
+      v8 e = exp8(*(v8*)&s[g][t] - mn); \
+      *(v8*)&s[g][t] = e; \
+      sum += e; \
+    } \
+    for (long t = n8; t < n32; t++) s[g][t] = 0.f; \
+    for (long t = 0; t < n32; t += 32) \
+      _mm512_store_si512(&pb[g][t], (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(&s[g][t + 16]), _mm512_load_ps(&s[g][t]))); \
+    st->l[g] = st->l[g] * corr + (sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5] + sum[6] + sum[7]); \
+    for (int d = 0; d < DV; d++) ((v8 (*)[DV])st->acc)[g][d] *= corr; \
+  } \
+} \
+static void dp_values_##G##_##DV(struct attend_state* st, const bf16* V, long n, const bf16* pbuf, \
+                                 const char* pf, long pf_lines) { \
+  enum { D = 8 * DV, C = D / 32 }; \
+  const bf16 (*pb)[MAX_BLOCK + 32] = (const bf16 (*)[MAX_BLOCK + 32])pbuf; \
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27); \
+  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31); \
+  const __m512i back0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23); \
+  const __m512i back1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31); \
+  long per = pf ? (pf_lines + (n + 1) / 2 - 1) / ((n + 1) / 2) : 0, done = 0; \
+  for (int c = 0; c < C; c++) { \
+    __m512 lo[G], hi[G]; \
+    for (int g = 0; g < G; g++) { \
+      float* a = (float*)st->acc + g * D + 32 * c; \
+      __m512 n0 = _mm512_loadu_ps(a), n1 = _mm512_loadu_ps(a + 16); \
+      lo[g] = _mm512_permutex2var_ps(n0, to_lo, n1); hi[g] = _mm512_permutex2var_ps(n0, to_hi, n1); \
+    } \
+    for (long t = 0; t < n; t += 2) { \
+      if (c == 0) for (long i = 0; i < per && done < pf_lines; i++, done++) __builtin_prefetch(pf + 64 * done, 0, 2); \
+      __m512i r0 = _mm512_loadu_si512(V + t * D + 32 * c); \
+      __m512i r1 = t + 1 < n ? _mm512_loadu_si512(V + (t + 1) * D + 32 * c) : _mm512_setzero_si512(); \
+      __m512bh il = (__m512bh)_mm512_unpacklo_epi16(r0, r1), ih = (__m512bh)_mm512_unpackhi_epi16(r0, r1); \
+      for (int g = 0; g < G; g++) { \
+        __m512bh pp = (__m512bh)_mm512_set1_epi32(pb[g][t] | (int32_t)pb[g][t + 1] << 16); \
+        lo[g] = _mm512_dpbf16_ps(lo[g], pp, il); hi[g] = _mm512_dpbf16_ps(hi[g], pp, ih); \
+      } \
+    } \
+    for (int g = 0; g < G; g++) { \
+      float* a = (float*)st->acc + g * D + 32 * c; \
+      _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[g], back0, hi[g])); \
+      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[g], back1, hi[g])); \
+    } \
+  } \
+}
+#define DP_D(G) DP_SCORES(G, 4) DP_SCORES(G, 8) DP_SCORES(G, 16)
+DP_D(1) DP_D(2) DP_D(3) DP_D(4) DP_D(5) DP_D(6) DP_D(7) DP_D(8)
+typedef void (*dp_scores_t)(const float*, struct attend_state*, const bf16*, long, bf16*, const char*, long);
+typedef void (*dp_values_t)(struct attend_state*, const bf16*, long, const bf16*, const char*, long);
+#define DP_ROW(F, G) {F##_##G##_4, F##_##G##_8, F##_##G##_16}
+#define DP_TABLE(F) {{0, 0, 0}, DP_ROW(F, 1), DP_ROW(F, 2), DP_ROW(F, 3), DP_ROW(F, 4), DP_ROW(F, 5), DP_ROW(F, 6), \
+                     DP_ROW(F, 7), DP_ROW(F, 8)}
+static const dp_scores_t DP_SCORES_FN[MAX_GROUP + 1][3] = DP_TABLE(dp_scores);
+static const dp_values_t DP_VALUES_FN[MAX_GROUP + 1][3] = DP_TABLE(dp_values);
+
+static void attend_heads_dp(long group, long D, const float* q, float* out, long h0, long h1, const char* k_base,
+                            const char* v_base, long block_stride, long block_size, const int64_t* table, long len) {
+  long d = D == 32 ? 0 : D == 64 ? 1 : 2;
+  dp_scores_t scores = DP_SCORES_FN[group][d];
+  dp_values_t values = DP_VALUES_FN[group][d];
+  struct attend_state st[HEADS_PER_PASS];
+  bf16 probs[HEADS_PER_PASS][MAX_GROUP * (MAX_BLOCK + 32)] __attribute__((aligned(64)));
+  long item = sizeof(bf16), head_run = block_size * D;
+  for (; h0 < h1; h0 += HEADS_PER_PASS) {
+    long hn = h1 - h0 < HEADS_PER_PASS ? h1 - h0 : HEADS_PER_PASS;
+    for (long h = 0; h < hn; h++)
+      for (long g = 0; g < group; g++) {
+        st[h].m[g] = -INFINITY; st[h].l[g] = 0.f;
+        for (long i = 0; i < D / 8; i++) st[h].acc[g * (D / 8) + i] = (v8){0};
+      }
+    long lines = head_run * item / 64;        /* a head's K (or V) of one block, in cache lines */
+    for (long start = 0, blk = 0; start < len; start += block_size, blk++) {
+      long n = len - start < block_size ? len - start : block_size, base = table[blk] * block_stride;
+      long next = start + block_size < len ? table[blk + 1] * block_stride : -1;
+      for (long h = 0; h < hn; h++) {
+        long head = base + (h0 + h) * head_run, ahead = next + (h0 + h) * head_run;
+        scores(q + (h0 + h) * group * D, &st[h], (const bf16*)(k_base + head * item), n, probs[h],
+               next < 0 ? 0 : k_base + ahead * item, next < 0 ? 0 : lines);
+      }
+      for (long h = 0; h < hn; h++) {
+        long head = base + (h0 + h) * head_run, ahead = next + (h0 + h) * head_run;
+        values(&st[h], (const bf16*)(v_base + head * item), n, probs[h],
+               next < 0 ? 0 : v_base + ahead * item, next < 0 ? 0 : lines);
+      }
+    }
+    for (long h = 0; h < hn; h++)
+      for (long g = 0; g < group; g++) {
+        float inv = 1.f / st[h].l[g];
+        float* o = out + ((h0 + h) * group + g) * D;
+        for (long i = 0; i < D / 8; i++) *(v8u*)(o + 8 * i) = st[h].acc[g * (D / 8) + i] * inv;
+      }
+  }
+}
+#endif
+
 /* Attention of query rows over paged K/V read in place.
    q: [rows, heads, D] (already scaled), row stride ldq; out: [rows, heads, D], row stride ldo. Row r
    attends to the first row_len[r] tokens of sequence row_seq[r] (r itself if row_seq is NULL), whose
@@ -335,18 +582,27 @@ static void attention(const float* q, long ldq, float* out, long ldo, long rows,
   #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (long task = 0; task < rows * splits; task++) {
     long r = task / splits, part = task % splits;
-    attend_heads(attend, group, D, q + r * ldq, out + r * ldo, kv_heads * part / splits, kv_heads * (part + 1) / splits,
-                 k_base, v_base, item, block_stride, block_size, block_tables + (row_seq ? row_seq[r] : r) * max_blocks,
-                 row_len[r]);
+    const int64_t* table = block_tables + (row_seq ? row_seq[r] : r) * max_blocks;
+    long h0 = kv_heads * part / splits, h1 = kv_heads * (part + 1) / splits;
+#ifdef NATIVE_BF16
+    if (item == 2) {
+      attend_heads_dp(group, D, q + r * ldq, out + r * ldo, h0, h1, k_base, v_base, block_stride, block_size, table,
+                      row_len[r]);
+      continue;
+    }
+#endif
+    attend_heads(attend, group, D, q + r * ldq, out + r * ldo, h0, h1, k_base, v_base, item, block_stride, block_size,
+                 table, row_len[r]);
   }
 }
 
+/* K/V elements of `item` bytes: 4 (fp32) or 2 (bf16) */
 void paged_attention(const float* q, float* out, long rows, long heads, long kv_heads, long D,
-                     const float* k_base, const float* v_base, long block_stride, long block_size,
+                     const void* k_base, const void* v_base, long item, long block_stride, long block_size,
                      const int64_t* block_tables, long max_blocks, const int64_t* row_seq,
                      const int64_t* row_len, int num_threads) {
   attention(q, heads * D, out, heads * D, rows, heads, kv_heads, D, (const char*)k_base, (const char*)v_base,
-            sizeof(float), block_stride, block_size, block_tables, max_blocks, row_seq, row_len, num_threads);
+            item, block_stride, block_size, block_tables, max_blocks, row_seq, row_len, num_threads);
 }
 
 /* ---- the small ops around them, fused: each torch op costs microseconds of dispatch, and a decode

@@ -48,7 +48,7 @@ _SIGNATURES = {
     "gemm_packed": [_P, _L, _L, _L, _P, _L, _P, _L, ctypes.c_int],
     "gemv_bf16": [_P, _L, _L, _L, _P, _L, _L, _P, _L, ctypes.c_int],
     "gemv_bf16_native_for": [_L],
-    "paged_attention": [_P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _P, _P, ctypes.c_int],
+    "paged_attention": [_P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _P, _P, ctypes.c_int],
     "paged_attention_supports": [_L, _L, _L],
     "rms_norm": [_P, _P, _L, _L, _L, _L, _P, ctypes.c_float, _P],
     "rope_store_kv": [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _L, _L, _P, _P],
@@ -201,7 +201,8 @@ def attention_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     row_seq: torch.Tensor | None, row_len: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of q [rows, heads, D] over the blocks of one layer's K/V, read in place.
+    """Attention of q [rows, heads, D] (fp32) over the blocks of one layer's K/V (fp32 or bf16), read in
+    place; fp32 out. (The bf16 pool is read this way only inside FusedDecode; this entry serves tests.)
 
     k_cache, v_cache: one layer's views [num_blocks, kv_heads, block_size, D] of the block-major pool
     (a block's stride spans all layers); block_tables: int64 [seqs, max_blocks]; row r attends to the
@@ -215,8 +216,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q, row_len = (q * scale).contiguous(), row_len.contiguous()      # held across the call
     row_seq = None if row_seq is None else row_seq.contiguous()
     out = torch.empty_like(q)
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
     lib.paged_attention(q.data_ptr(), out.data_ptr(), rows, heads, kv_heads, D, k_cache.data_ptr(), v_cache.data_ptr(),
-                        k_cache.stride(0), block_size, block_tables.data_ptr(), block_tables.shape[1],
+                        k_cache.element_size(), k_cache.stride(0), block_size, block_tables.data_ptr(), block_tables.shape[1],
                         None if row_seq is None else row_seq.data_ptr(), row_len.data_ptr(), _threads())
     return out
 
