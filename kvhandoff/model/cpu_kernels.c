@@ -314,6 +314,28 @@ static inline v8 exp8(v8 x) {
   return (v8)(~below & (v8i)(p * (v8)bits));      /* e^-inf (a padded score) is exactly 0 */
 }
 
+/* One block's scores s[0, n) of one query head into the online softmax whose running max is *m and
+   running sum *l: s becomes e^(s - new max), zero from n up to the next multiple of 8, and the
+   factor the head's accumulated values must be scaled by is returned. (32-byte aligned s.) */
+static inline float online_softmax(float* s, long n, float* m, float* l) {
+  long n8 = (n + 7) & ~7L;
+  for (long t = n; t < n8; t++) s[t] = -INFINITY;
+  v8 top = *(v8*)&s[0];
+  for (long t = 8; t < n8; t += 8) { v8 x = *(v8*)&s[t]; top = (v8)_mm256_max_ps((__m256)top, (__m256)x); }
+  float bm = top[0];
+  for (int j = 1; j < 8; j++) bm = top[j] > bm ? top[j] : bm;
+  float mn = bm > *m ? bm : *m, corr = expf(*m - mn);
+  *m = mn;
+  v8 sum = {0};
+  for (long t = 0; t < n8; t += 8) {
+    v8 e = exp8(*(v8*)&s[t] - mn);
+    *(v8*)&s[t] = e;
+    sum += e;
+  }
+  *l = *l * corr + (sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5] + sum[6] + sum[7]);
+  return corr;
+}
+
 /* The online-softmax state of one (row, kv head): acc[G][DV] v8, then m[G], then l[G]. */
 struct attend_state { v8 acc[MAX_GROUP * 16]; float m[MAX_GROUP], l[MAX_GROUP]; };
 
@@ -348,22 +370,8 @@ static void attend_##T##_##G##_##DV(const float* q, struct attend_state* st, con
       *(v8*)&s[g][t] = reduce8(a); \
     } \
   } \
-  long n8 = (n + 7) & ~7L; \
   for (int g = 0; g < G; g++) { \
-    for (long t = n; t < n8; t++) s[g][t] = -INFINITY; \
-    v8 top = *(v8*)&s[g][0]; \
-    for (long t = 8; t < n8; t += 8) { v8 x = *(v8*)&s[g][t]; top = (v8)_mm256_max_ps((__m256)top, (__m256)x); } \
-    float bm = top[0]; \
-    for (int j = 1; j < 8; j++) bm = top[j] > bm ? top[j] : bm; \
-    float mn = bm > st->m[g] ? bm : st->m[g], corr = expf(st->m[g] - mn); \
-    st->m[g] = mn; \
-    v8 sum = {0}; \
-    for (long t = 0; t < n8; t += 8) { \
-      v8 e = exp8(*(v8*)&s[g][t] - mn); \
-      *(v8*)&s[g][t] = e; \
-      sum += e; \
-    } \
-    st->l[g] = st->l[g] * corr + (sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5] + sum[6] + sum[7]); \
+    float corr = online_softmax(s[g], n, &st->m[g], &st->l[g]); \
     for (int d = 0; d < DV; d++) acc[g][d] *= corr; \
   } \
   for (int d0 = 0; d0 < DV; d0 += DT) { \
@@ -464,24 +472,11 @@ static void dp_scores_##G##_##DV(const float* q, struct attend_state* st, const 
   } \
   long n8 = (n + 7) & ~7L, n32 = (n + 31) & ~31L; \
   for (int g = 0; g < G; g++) { \
-    for (long t = n; t < n8; t++) s[g][t] = -INFINITY; \
-    v8 top = *(v8*)&s[g][0]; \
-    for (long t = 8; t < n8; t += 8) { v8 x = *(v8*)&s[g][t]; top = (v8)_mm256_max_ps((__m256)top, (__m256)x); } \
-    float bm = top[0]; \
-    for (int j = 1; j < 8; j++) bm = top[j] > bm ? top[j] : bm; \
-    float mn = bm > st->m[g] ? bm : st->m[g], corr = expf(st->m[g] - mn); \
-    st->m[g] = mn; \
-    v8 sum = {0}; \
-    for (long t = 0; t < n8; t += 8) { \
-      v8 e = exp8(*(v8*)&s[g][t] - mn); \
-      *(v8*)&s[g][t] = e; \
-      sum += e; \
-    } \
+    float corr = online_softmax(s[g], n, &st->m[g], &st->l[g]); \
+    for (int d = 0; d < DV; d++) ((v8 (*)[DV])st->acc)[g][d] *= corr; \
     for (long t = n8; t < n32; t++) s[g][t] = 0.f; \
     for (long t = 0; t < n32; t += 32) \
       _mm512_store_si512(&pb[g][t], (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(&s[g][t + 16]), _mm512_load_ps(&s[g][t]))); \
-    st->l[g] = st->l[g] * corr + (sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5] + sum[6] + sum[7]); \
-    for (int d = 0; d < DV; d++) ((v8 (*)[DV])st->acc)[g][d] *= corr; \
   } \
 } \
 static void dp_values_##G##_##DV(struct attend_state* st, const bf16* V, long n, const bf16* pbuf, \
