@@ -314,6 +314,15 @@ static inline v8 exp8(v8 x) {
   return (v8)(~below & (v8i)(p * (v8)bits));      /* e^-inf (a padded score) is exactly 0 */
 }
 
+/* x * sigmoid(x), 8 at a time, from e^-|x| (exp8 takes x <= 0): scalar expf per element cost a
+   16-row SmolLM2 step on one thread ~2.5 ms (16 x 1,536 x 30 of them). */
+static inline v8 silu8(v8 x) {
+  v8 e = exp8((v8)((v8i)x | (v8i)(v8){-0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f}));     /* e^-|x| */
+  v8 positive = 1.f / (1.f + e);                  /* sigmoid(|x|) */
+  v8i negative = x < 0.f;
+  return x * (v8)((negative & (v8i)(e * positive)) | (~negative & (v8i)positive));
+}
+
 /* One block's scores s[0, n) of one query head into the online softmax whose running max is *m and
    running sum *l: s becomes e^(s - new max), zero from n up to the next multiple of 8, and the
    factor the head's accumulated values must be scaled by is returned. (32-byte aligned s.) */
@@ -717,7 +726,9 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
   linear(h, T, H, H, &L->gate_up, gu, threads);
   for (long r = 0; r < T; r++) {
     const float *g = gu + r * L->gate_up.cols, *u = g + I;
-    for (long i = 0; i < I; i++) act[r * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    long i = 0;
+    for (; i + 8 <= I; i += 8) *(v8u*)(act + r * I + i) = silu8(*(const v8u*)(g + i)) * *(const v8u*)(u + i);
+    for (; i < I; i++) act[r * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
   }
   linear(act, T, I, I, &L->down, down, threads);
   for (long r = 0; r < T; r++)
