@@ -33,7 +33,8 @@ Failure edges (each end is told at once where the other side knows):
 - no Done within the deadline (prefill silent, or Done lost): decode sends Cancel, recomputes, and
   keeps the blocks aside until the timing rule says no WRITE can land.
 - either worker dies: the other's agent sees the connection die; decode recomputes at once.
-- the decode request ends first (client gone): Cancel to prefill; blocks aside as above.
+- the decode request ends first (client gone): Cancel to prefill; blocks aside until prefill
+  answers Failed, which it sends once no WRITE can land (after the layer WRITEs already posted).
 """
 from __future__ import annotations
 
