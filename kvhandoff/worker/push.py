@@ -58,6 +58,9 @@ log = logging.getLogger("kvhandoff.handoff")
 # ---------------------------------------------------------------------------------------------------
 # Prefill side
 
+CANCELLED = "cancelled"      # a PushJob's end when the router or the decode side gave up
+
+
 @dataclass
 class PushJob:
     """Prefill side of one push handoff: the computed prompt and the registration meet here."""
@@ -277,10 +280,10 @@ class PushPrefill(FetchingPrefill):
         that nothing (more) will be written, so it frees the blocks it set aside at once instead of
         at its settle time (2 x --kv-timeout-s)."""
         with job.lock:          # (one lock with _maybe_start: a job is either started or claimed here)
-            if job.started or self.rt.table.claim(job.handoff_id, "cancelled", job) is None:
+            if job.started or self.rt.table.claim(job.handoff_id, CANCELLED, job) is None:
                 return
-        job.failed = "cancelled"
-        self._tell_decode(job, M.Failed(handoff_id=job.handoff_id, reason="cancelled"))
+        job.failed = CANCELLED
+        self._tell_decode(job, M.Failed(handoff_id=job.handoff_id, reason=CANCELLED))
         if job.prefilled is not None:
             self.rt.release(job.handoff_id)
         elif job.prompt_hash is not None:
@@ -393,8 +396,9 @@ class PushDecode(DecodeSide):
         self._to_register: list[tuple[Incoming, str, M.Registration]] = []   # engine thread
         self._prefill_peers: dict[str, str] = {}        # prefill URL -> its agent's peer name
         rt.on(M.Done, Incoming, lambda peer, note, incoming: self._done(incoming, note))
+        # (A cancelled handoff: the router gave up on the request, and tells us too; nothing to recompute.)
         rt.on(M.Failed, Incoming, lambda peer, note, incoming: self.rt.fail(
-            incoming, f"prefill worker reported: {note.reason}"))
+            incoming, f"prefill worker reported: {note.reason}", recompute=False if note.reason == CANCELLED else None))
         rt.on(M.Progress, Incoming, self._progress)
         rt.on(M.Withdrawn, Incoming, lambda peer, note, incoming: self.rt.fail(
             incoming, "the router moved the request to another decode worker (late binding)", recompute=False))
