@@ -1,6 +1,6 @@
 """Load (issue 7): 200 concurrent streaming requests on a 1-prefill/1-decode tiny stack, twice. Every
-request is accounted for (a complete stream or an explicit 429/503), no block leaks, and the router's
-memory does not grow from one wave to the next."""
+request is a complete stream (200 is below the default --max-in-flight of 256: nothing may be shed),
+no block leaks, and the router's memory does not grow from one wave to the next."""
 from __future__ import annotations
 
 import asyncio
@@ -60,16 +60,12 @@ def test_two_waves_of_200_streams(tmp_path):
         sizes = []
         for _ in range(2):
             results = asyncio.run(wave(up.url))
-            for status, tokens, done in results:
-                assert status in (200, 429, 503), status
-                if status == 200:
-                    assert tokens == MAX_TOKENS and done
-            assert sum(1 for status, _, _ in results if status == 200) >= CONCURRENCY // 2
+            incomplete = [(i, result) for i, result in enumerate(results) if result != (200, MAX_TOKENS, True)]
+            assert not incomplete, f"{len(incomplete)} of {CONCURRENCY} streams incomplete: {incomplete[:5]}"
             wait_pools_at_baseline(up.url, timeout=30)
             wait_until(lambda: router_idle(up.url), "the router still counts requests in flight", timeout=15)
             sizes.append(rss_kib(router))
-            print(f"wave: {sum(1 for s, _, _ in results if s == 200)} complete streams, "
-                  f"{sum(1 for s, _, _ in results if s != 200)} refused; router RSS {sizes[-1]} KiB")
+            print(f"wave: {CONCURRENCY} complete streams; router RSS {sizes[-1]} KiB")
         # The first wave warms the router up (connection pools, imports); the second must not add to it.
         assert sizes[1] - sizes[0] < 20 * 1024, f"router RSS grew {sizes[1] - sizes[0]} KiB over a wave"
     finally:
