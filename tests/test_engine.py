@@ -24,6 +24,17 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPT_LENS = [5, 40, 64, 100, 33, 200, 7, 300]
 
 
+def waited_for(condition, timeout: float = 10.0) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` seconds pass (False): a state the engine
+    loop's thread reaches, awaited instead of a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def make_engine(**overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(model="tiny", dtype="float32", **overrides))
 
@@ -469,8 +480,8 @@ def test_abort_of_a_queued_reservation(prompts):
     assert loop.knows("queued") and not loop.knows("nobody")
     loop.start()
     try:
-        time.sleep(0.2)
-        assert loop.knows("queued") and loop.stats()["num_waiting"] == 1      # 10 blocks needed, 9 free
+        assert waited_for(lambda: loop.stats()["num_waiting"] == 1)              # 10 blocks needed, 9 free
+        assert loop.knows("queued")
         loop.abort("queued")
         assert finished.wait(10) and outputs[-1].finish_reason == "abort"
         assert not loop.knows("queued") and loop.is_alive()
@@ -493,8 +504,8 @@ def test_kv_failure_of_a_queued_reservation(prompts, reference, recompute):
     loop.submit("queued", prompts[7], GREEDY, on_output, remote_tokens=len(prompts[7]))
     loop.start()
     try:
-        time.sleep(0.2)
-        assert loop.stats()["num_waiting"] == 1 and "queued" not in engine.connector.reservations  # 10 needed, 9 free
+        assert waited_for(lambda: loop.stats()["num_waiting"] == 1)               # 10 blocks needed, 9 free
+        assert "queued" not in engine.connector.reservations
         loop.call(lambda: post(engine, lost=[Lost("queued", recompute, "the prefill worker died"),
                                              Lost("hog", False, "room for the recompute")])).result(10)
         assert finished.wait(30)
