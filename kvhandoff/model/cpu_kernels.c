@@ -156,8 +156,9 @@ static inline void store_tile(const __m512* acc, long mr, long nr, float* y, lon
 #define LOAD_BH(p) ((__m512bh)_mm512_loadu_si512(p))
 
 /* MR input rows against up to 4 weight rows `stride` rows apart, all four at once: four sequential
-   streams from far apart in memory. One core reads faster so than from one stream (SmolLM2's head,
-   56 MB: 2.1-2.4 ms against 3.1-3.9 one row after another; a plain sum of the bytes took 3.0-3.2). */
+   streams from far apart in memory. In a C harness one core read SmolLM2's 56 MB head so in 2.1-2.4
+   ms against 3.1-3.9 one row after another; inside the engine (A/B in one process) it was even with
+   the old one-row loop at 1 row (0.97-1.06x) and faster at 2-3 rows (0.7-0.9x). */
 #define STREAMS(MR) \
 static void tile_streams_##MR(const bf16* x, long K, const bf16* w, long stride, long nr, float* y, long ldy, long col) { \
   const bf16* wj[4]; \
