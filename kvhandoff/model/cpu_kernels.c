@@ -415,6 +415,25 @@ int paged_attention_supports(long group, long head_dim, long block_size) {
          && block_size <= MAX_BLOCK;
 }
 
+/* The online-softmax states of `hn` kv heads (`group` query heads each) before their first block */
+static void start_heads(struct attend_state* st, long hn, long group, long D) {
+  for (long h = 0; h < hn; h++)
+    for (long g = 0; g < group; g++) {
+      st[h].m[g] = -INFINITY; st[h].l[g] = 0.f;
+      for (long d = 0; d < D / 8; d++) st[h].acc[g * (D / 8) + d] = (v8){0};
+    }
+}
+
+/* ... after their last: each query head's values divided by its sum, into out ([hn * group][D]) */
+static void finish_heads(const struct attend_state* st, long hn, long group, long D, float* out) {
+  for (long h = 0; h < hn; h++)
+    for (long g = 0; g < group; g++) {
+      float inv = 1.f / st[h].l[g];
+      float* o = out + (h * group + g) * D;
+      for (long d = 0; d < D / 8; d++) *(v8u*)(o + 8 * d) = st[h].acc[g * (D / 8) + d] * inv;
+    }
+}
+
 /* Query heads of kv heads [h0, h1) of one row over its `len` tokens; K of block b, kv head h at
    element table[b] * block_stride + h * block_size * D from k_base (V likewise), elements of `item`
    bytes (4: fp32, 2: bf16). q, out: the row's [heads][D]. */
@@ -424,11 +443,7 @@ static void attend_heads(attend_t attend, long group, long D, const float* q, fl
   struct attend_state st[HEADS_PER_PASS];
   for (; h0 < h1; h0 += HEADS_PER_PASS) {
     long hn = h1 - h0 < HEADS_PER_PASS ? h1 - h0 : HEADS_PER_PASS;
-    for (long h = 0; h < hn; h++)
-      for (long g = 0; g < group; g++) {
-        st[h].m[g] = -INFINITY; st[h].l[g] = 0.f;
-        for (long d = 0; d < D / 8; d++) st[h].acc[g * (D / 8) + d] = (v8){0};
-      }
+    start_heads(st, hn, group, D);
     for (long start = 0, blk = 0; start < len; start += block_size, blk++) {
       long n = len - start < block_size ? len - start : block_size, base = table[blk] * block_stride;
       long next = start + block_size < len ? table[blk + 1] * block_stride : -1;
@@ -438,12 +453,7 @@ static void attend_heads(attend_t attend, long group, long D, const float* q, fl
                next < 0 ? 0 : k_base + (next + head) * item, next < 0 ? 0 : v_base + (next + head) * item);
       }
     }
-    for (long h = 0; h < hn; h++)
-      for (long g = 0; g < group; g++) {
-        float inv = 1.f / st[h].l[g];
-        float* o = out + ((h0 + h) * group + g) * D;
-        for (long d = 0; d < D / 8; d++) *(v8u*)(o + 8 * d) = st[h].acc[g * (D / 8) + d] * inv;
-      }
+    finish_heads(st, hn, group, D, out + h0 * group * D);
   }
 }
 
@@ -542,11 +552,7 @@ static void attend_heads_dp(long group, long D, const float* q, float* out, long
   long item = sizeof(bf16), head_run = block_size * D;
   for (; h0 < h1; h0 += HEADS_PER_PASS) {
     long hn = h1 - h0 < HEADS_PER_PASS ? h1 - h0 : HEADS_PER_PASS;
-    for (long h = 0; h < hn; h++)
-      for (long g = 0; g < group; g++) {
-        st[h].m[g] = -INFINITY; st[h].l[g] = 0.f;
-        for (long i = 0; i < D / 8; i++) st[h].acc[g * (D / 8) + i] = (v8){0};
-      }
+    start_heads(st, hn, group, D);
     long lines = head_run * item / 64;        /* a head's K (or V) of one block, in cache lines */
     for (long start = 0, blk = 0; start < len; start += block_size, blk++) {
       long n = len - start < block_size ? len - start : block_size, base = table[blk] * block_stride;
@@ -562,12 +568,7 @@ static void attend_heads_dp(long group, long D, const float* q, float* out, long
                next < 0 ? 0 : v_base + ahead * item, next < 0 ? 0 : lines);
       }
     }
-    for (long h = 0; h < hn; h++)
-      for (long g = 0; g < group; g++) {
-        float inv = 1.f / st[h].l[g];
-        float* o = out + ((h0 + h) * group + g) * D;
-        for (long i = 0; i < D / 8; i++) *(v8u*)(o + 8 * i) = st[h].acc[g * (D / 8) + i] * inv;
-      }
+    finish_heads(st, hn, group, D, out + h0 * group * D);
   }
 }
 #endif
