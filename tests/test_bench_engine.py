@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 ARGS = ["--model", "tiny", "--dtype", "float32", "--repeats", "1", "--prompt-len", "64",
         "--decode-tokens", "8", "--concurrency", "4", "--threads", "1", "--cached-prefix", "64", "--cached-new", "16",
-        "--mixed-chunk", "24"]
+        "--mixed-chunk", "24", "--dtypes-compare"]
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +105,13 @@ def test_cached_prefill_and_limits(report):
     for name, figure in limits["figures"].items():
         assert figure["floor"] > 0 and figure["x_floor"] == pytest.approx(figure["measured"] / figure["floor"], rel=0.01), name
     assert "x floor" in stdout and "GFLOP/s" in stdout
+
+
+def test_dtypes_compare_sets_each_dtype_beside_its_own_floor(report):
+    data, stdout = report
+    compared = data["dtypes_compare"]
+    for dtype in ("float32", "bfloat16"):
+        floor = compared["floors"][dtype]
+        assert floor["prefill_ms"] > 0 and floor["tpot_ms"] > 0 and floor["rates"]["matmul_gflops"] > 0, floor
+        assert compared["tpot"][dtype]["median"] > 0
+    assert stdout.count("x its floor") == 4, stdout[-2000:]

@@ -481,6 +481,14 @@ def bench_dtypes(args, engines: dict[str, LLMEngine], prompt: list[int]) -> dict
         # bf16 speedup over fp32, per round then median (>1: bf16 faster).
         rec["bf16_speedup_runs"] = [f / b for f, b in zip(rec["float32"]["runs"], rec["bfloat16"]["runs"])]
         rec["bf16_speedup"] = median(rec["bf16_speedup_runs"])
+    # Each dtype beside its own floor (its matmul rate, and the bytes it reads): which dtype wins here,
+    # and how close each is to what this machine allows it.
+    out["floors"] = {}
+    for name, e in engines.items():
+        log(f"dtypes-compare: limit probe in {name}")
+        work, rates = ModelWork.of(e.model_config, e.dtype), probe(e.model_config, e.dtype, 1, len(prompt))
+        out["floors"][name] = {"rates": as_dict(rates), "prefill_ms": rates.prefill_floor_s(work, len(prompt)) * 1e3,
+                               "tpot_ms": rates.decode_step_floor_s(work, 1, len(prompt) + D // 2) * 1e3}
     return out
 
 
@@ -590,8 +598,11 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
         print("\nour engine, float32 vs bfloat16, 1 thread (bf16 speedup = fp32 time / bf16 time, median pairwise):")
         for kind, label in (("prefill", f"prefill {m['prompt_len']} tok (ms)"), ("tpot", "TPOT (ms)")):
             r = dtypes[kind]
-            print(f"     {label:<24} fp32 {r['float32']['median']:9.1f}  bf16 {r['bfloat16']['median']:9.1f}  "
-                  f"bf16 speedup {r['bf16_speedup']:.2f}x")
+            sides = []
+            for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
+                ms, floor = r[dtype]["median"], dtypes["floors"][dtype][f"{kind}_ms"]
+                sides.append(f"{short} {ms:9.1f} ({ms / floor:.2f}x its floor {floor:.1f})")
+            print(f"     {label:<24} {'  '.join(sides)}  bf16 speedup {r['bf16_speedup']:.2f}x")
 
 
 def parse_args(argv=None):
