@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvhandoff.config import EngineConfig, ModelNotFound
 from kvhandoff.wire import modes
+from kvhandoff.wire.auth import OPEN_PATHS
 from kvhandoff.wire.cost import ReusePolicy
 from kvhandoff.wire.modes import COLOCATED, ROLES, DecodePolicy, FailurePolicy, Mode, PrefillPolicy
 
@@ -97,6 +98,27 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
                    help="address to bind; loopback by default, pass 0.0.0.0 to expose it (default: %(default)s)")
     g.add_argument("--port", type=int, default=port, help="0 picks a free port (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+    g.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' (prefer $KVHANDOFF_API_KEY: command lines "
+                        "are visible to other users) (default: no client authentication)")
+    g.add_argument("--api-key-open-paths", default=OPEN_PATHS, metavar="PATHS",
+                   help="paths served without the API key; '' requires it everywhere (default: %(default)s)")
+
+
+def guard(app, args: argparse.Namespace, secret: bytes | None, who: str) -> bool:
+    """Put the API key (if any) in front of `app`; whether there is one."""
+    from kvhandoff.wire.auth import ClientKeyGate, parse_open_paths, resolve_api_key
+    key = resolve_api_key(args.api_key)
+    if not key:
+        return False
+    try:
+        open_paths = parse_open_paths(args.api_key_open_paths)
+    except ValueError as e:
+        raise SystemExit(f"kvhandoff {who}: --api-key-open-paths: {e}") from None
+    app.add_middleware(ClientKeyGate, api_key=key, secret=secret, open_paths=open_paths)
+    logging.getLogger("kvhandoff.cli").info("clients need the API key on every path but %s",
+                                            ", ".join(sorted(open_paths)) or "none")
+    return True
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -161,9 +183,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     log = logging.getLogger("kvhandoff.cli")
     log.debug("serve options: %s", {k: v for k, v in vars(args).items() if k not in ("kv_secret", "func")})
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s: the server is reachable from other machines and has no authentication",
-                    args.host)
     from kvhandoff.engine.engine import LLMEngine
     from kvhandoff.engine.loop import EngineLoop
     from kvhandoff.wire.http import serve_forever
@@ -178,20 +197,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # that would be silently ignored is refused instead.
     if args.role == "both" and faults != Faults(step_ms=faults.step_ms):
         raise SystemExit("kvhandoff serve: --inject-faults: a colocated server (--role both) takes only step_ms=N")
+    from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
     agent = connector = None
+    # A colocated server needs no secret; with one (under `kvhandoff up`), its API key gate also lets
+    # the launcher's health polls through.
+    secret = resolve_secret(args.kv_secret)
     if args.role == "both":
         engine = LLMEngine(engine_config(args))
     else:
         from kvhandoff.transfer.agent import TransferAgent
-        from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
         from kvhandoff.wire.messages import PROTOCOL
-        secret = resolve_secret(args.kv_secret)
+        # A worker's KV pool is a host shared-memory tensor its peers copy from; a pool on the GPU with
+        # transfers staged through pinned host memory is not built (nor tested on a GPU machine).
+        if args.device == "cuda":
+            raise SystemExit(f"kvhandoff serve: --role {args.role} runs on the CPU only: its KV pool is host "
+                             "shared memory that peers copy from, and a GPU-resident pool is not supported yet; "
+                             "use --device cpu, or serve on the GPU colocated (--role both)")
+        args.device = "cpu"     # auto: never a GPU here, whatever the machine has (see above)
         if not secret:
             raise SystemExit(f"--role {args.role} needs the deployment secret: --kv-secret or ${SECRET_ENV}")
         worker_name = f"{args.role}-{args.port}-{os.getpid()}"
         agent = TransferAgent(worker_name, secret, backend=args.kv_backend, listen_host=args.kv_host or args.host,
                               shm_dir=args.kv_shm_dir, protocol=PROTOCOL)
-        engine = LLMEngine(engine_config(args), kv_allocator=lambda nbytes: agent.allocate_region("kv", nbytes))
+        from kvhandoff.transfer.memory import NoRoom
+        try:
+            engine = LLMEngine(engine_config(args), kv_allocator=lambda nbytes: agent.allocate_region("kv", nbytes))
+        except NoRoom as e:
+            agent.close()
+            raise SystemExit(f"kvhandoff serve: {e.strerror}") from None
     loop = EngineLoop(engine)
     if faults.any:
         log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)
@@ -199,6 +232,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         max_in_flight = args.max_in_flight if args.max_in_flight > 0 else None
         app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model), max_in_flight, args.queue_wait_s)
+        if not guard(app, args, secret, "serve") and args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("binding %s: the server is reachable from other machines and has no client "
+                        "authentication (--api-key)", args.host)
         if agent is not None:
             from kvhandoff.wire.cost import ReuseConfig
             from kvhandoff.worker.config import HandoffConfig, RetentionConfig
@@ -239,9 +275,6 @@ def cmd_router(args: argparse.Namespace) -> int:
     from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
     from kvhandoff.wire.http import serve_forever
 
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger("kvhandoff.cli").warning(
-            "binding %s: the router is reachable from other machines and has no client authentication", args.host)
     secret = resolve_secret(args.kv_secret)
     if not secret:
         raise SystemExit(f"kvhandoff router: no deployment secret; set {SECRET_ENV} (or --kv-secret) to the "
@@ -256,6 +289,10 @@ def cmd_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvhandoff router: {e}")
     app = build_router_app(config)
+    if not guard(app, args, secret, "router") and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("kvhandoff.cli").warning(
+            "binding %s: the router is reachable from other machines and has no client authentication (--api-key)",
+            args.host)
 
     def ready(url: str) -> None:
         print(f"kvhandoff: router ({args.mode}; prefill {','.join(config.prefill_urls)}; decode "
@@ -303,7 +340,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     if args.late_binding and not (args.mode != COLOCATED and Mode(args.mode).is_push):
         raise SystemExit(f"kvhandoff up: --late-binding is for the push modes, not {args.mode}")
-    worker_args = engine_argv(args) + args.extra + (["--bidirectional"] if args.bidirectional else [])
+    from kvhandoff.wire.auth import API_KEY_ENV, parse_open_paths
+    try:
+        parse_open_paths(args.api_key_open_paths)
+    except ValueError as e:
+        raise SystemExit(f"kvhandoff up: --api-key-open-paths: {e}") from None
+    if args.api_key:     # to every child through the environment, never on a command line `ps` shows
+        os.environ[API_KEY_ENV] = args.api_key
+    key_args = [] if args.api_key_open_paths == OPEN_PATHS else ["--api-key-open-paths", args.api_key_open_paths]
+    worker_args = engine_argv(args) + args.extra + (["--bidirectional"] if args.bidirectional else []) + key_args
     if args.extra:
         print(f"kvhandoff up: passing {' '.join(args.extra)} to every worker", flush=True)
     try:
@@ -313,7 +358,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                       (["--late-binding"] if args.late_binding else []) + \
                       ["--decode-policy", args.decode_policy, "--prefill-policy", args.prefill_policy,
                        "--disagg-min-tokens", str(args.disagg_min_tokens), "--health-interval", str(args.health_interval),
-                       "--migration-limit", str(args.migration_limit)]
+                       "--migration-limit", str(args.migration_limit)] + key_args
         cfg = LaunchConfig(mode=args.mode, worker_args=worker_args, router_args=router_args,
                            prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),
                            num_prefill=args.prefill, num_decode=args.decode,

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from conftest import stop_process
 from kvhandoff.launch.supervisor import free_port
 from kvhandoff.router import WorkerPool
-from kvhandoff.wire.auth import control_token
+from kvhandoff.wire.auth import control_headers, control_token
 
 SECRET = "test-secret"
 # Anchored: `up` also forwards its children's own ready lines, prefixed with their names.
@@ -518,7 +518,10 @@ def test_failed_worker_is_replaced_before_the_first_token(fakes, tmp_path, mode)
                     for _ in range(2)}
         assert 400 in statuses
         bad.fail_status = None
-        broken = {"prompt": "hi", "stream": True, "fake": {"decode": {"words": ["a", "b", "c", "d"], "break_after": 2}}}
+        # A gap between words: lines still unread when the connection breaks are lost (aiohttp's reader
+        # raises before it hands out what it buffered), so "b" must reach the router before the break.
+        broken = {"prompt": "hi", "stream": True,
+                  "fake": {"decode": {"words": ["a", "b", "c", "d"], "break_after": 2, "gap": 0.5}}}
         with httpx.stream("POST", router.url + "/v1/completions", json=broken, timeout=20) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines()
                       if line.startswith("data: ") and line != "data: [DONE]"]
@@ -528,6 +531,45 @@ def test_failed_worker_is_replaced_before_the_first_token(fakes, tmp_path, mode)
     finally:
         router.stop()
         bad.stop()
+
+
+def test_the_router_asks_clients_for_its_api_key(fakes, tmp_path):
+    """With $KVHANDOFF_API_KEY: a request without the key, or with another, is a 401 in OpenAI's error
+    shape; with it, served (streamed too); /health and /metrics stay open unless
+    --api-key-open-paths says otherwise; the client's key never reaches a worker (the router's own
+    control token does); the admin endpoints take the control token as before."""
+    prefill, decode = fakes
+    key = "client-key-0123"
+    env = {"KVHANDOFF_SECRET": SECRET, "KVHANDOFF_API_KEY": key}
+    router = Proc(["router", "--prefill", prefill.url, "--decode", decode.url, "--mode", "push", "--port", "0"],
+                  tmp_path / "router-key.log", ROUTER_READY, env=env)
+    closed = Proc(["router", "--prefill", prefill.url, "--decode", decode.url, "--mode", "pull", "--port", "0",
+                   "--api-key-open-paths", ""], tmp_path / "router-closed.log", ROUTER_READY, env=env)
+    try:
+        body = {"prompt": "hi", "fake": {"tag": "keyed"}}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}, {"X-Api-Key": key}):
+            r = httpx.post(router.url + "/v1/completions", json=body, headers=headers, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
+        assert httpx.get(router.url + "/v1/models", timeout=10).status_code == 401
+        auth = {"Authorization": f"Bearer {key}"}
+        r = httpx.post(router.url + "/v1/completions", json=body, headers=auth, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc", r.text
+        with httpx.stream("POST", router.url + "/v1/completions", json=body | {"stream": True}, headers=auth,
+                          timeout=10) as r:
+            assert r.status_code == 200 and "data: [DONE]" in r.read().decode()
+        sent = [c["auth"] for worker in (prefill, decode) for calls in worker.calls.values() for c in calls
+                if c["body"].get("fake", {}).get("tag") == "keyed"]
+        assert sent and all(a == f"Bearer {control_token(SECRET)}" for a in sent), sent
+        assert httpx.get(router.url + "/health", timeout=10).status_code == 200
+        assert httpx.get(router.url + "/metrics", timeout=10).status_code == 200
+        assert httpx.get(router.url + "/admin/workers", headers=control_headers(SECRET), timeout=10).status_code == 200
+        for path in ("/health", "/metrics", "/v1/models", "/no/such/path"):
+            assert httpx.get(closed.url + path, timeout=10).status_code == 401, path
+            assert httpx.get(closed.url + path, headers=auth, timeout=10).status_code in (200, 404), path
+        assert key not in router.text() + closed.text()
+    finally:
+        router.stop()
+        closed.stop()
 
 
 def test_router_health_models_metrics(routed):
@@ -576,6 +618,16 @@ def test_unreachable_workers_are_named(fakes, tmp_path):
         assert "Traceback" not in router.text()
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_disaggregated_worker_refuses_a_gpu_it_does_not_support(role):
+    """Its KV pool is host shared memory: --device cuda is refused at start-up with what to do instead,
+    before any model is loaded (the same on a machine with a GPU)."""
+    r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "serve", "--role", role, "--device", "cuda",
+                        "--model", "tiny"], capture_output=True, text=True, env={**os.environ, "KVHANDOFF_SECRET": SECRET},
+                       timeout=60)
+    assert r.returncode != 0 and "--device cpu" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_router_refuses_to_start_without_secret(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "KVHANDOFF_SECRET"}
     r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "router", "--prefill", "127.0.0.1:1", "--decode",
@@ -609,6 +661,28 @@ def test_up_colocated_starts_and_stops_cleanly(tmp_path):
         assert up.stop() == 0, up.text()[-3000:]
     assert all(gone(pid) for pid in pids.values()), pids
     assert "kvhandoff up: stopped" in up.text()
+
+
+@pytest.mark.parametrize("mode", ["colocated", "push"])
+def test_up_hands_its_api_key_to_every_child_but_never_on_a_command_line(tmp_path, mode):
+    """`kvhandoff up --api-key K --api-key-open-paths ''`: the stack starts (the launcher's health polls
+    pass with the control token), clients need the key on every path, the router's calls to its
+    workers need none, and K is on no process's command line (`ps` shows those to every user)."""
+    key = "up-key-4567"
+    up = start_up(tmp_path, mode, "--api-key", key, "--api-key-open-paths", "")
+    try:
+        body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(up.url + "/v1/completions", json=body, timeout=60).status_code == 401
+        assert httpx.get(up.url + "/health", timeout=10).status_code == 401
+        r = httpx.post(up.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        pids = child_pids(up)
+        assert len(pids) == (1 if mode == "colocated" else 3), pids
+        for pid in [up.proc.pid, *pids.values()]:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+            assert (key in cmdline) == (pid == up.proc.pid), (pid, cmdline)    # only where the user typed it
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -14,12 +14,15 @@ account for.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
 import numpy
+
+from kvhandoff.wire.auth import API_KEY_ENV
 
 # Common English words: random sequences of them tokenise at a stable rate (about one token per word
 # with a leading space in any English BPE), so a prompt's length can be aimed at with a word count.
@@ -89,9 +92,12 @@ def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
 
 def open_session(read_timeout_s: float = 600.0) -> aiohttp.ClientSession:
     """The benchmarks' HTTP client: kept-alive connections, as many as the load needs; a wait for
-    the next byte longer than `read_timeout_s` fails the request. (Call inside the event loop.)"""
+    the next byte longer than `read_timeout_s` fails the request; $KVHANDOFF_API_KEY, if set, is sent
+    as the endpoint's API key. (Call inside the event loop.)"""
+    key = os.environ.get(API_KEY_ENV)
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=read_timeout_s),
-                                 connector=aiohttp.TCPConnector(limit=0), read_bufsize=2 ** 20)
+                                 connector=aiohttp.TCPConnector(limit=0), read_bufsize=2 ** 20,
+                                 headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
 async def get_json(client: aiohttp.ClientSession, url: str, timeout_s: float | None = None):

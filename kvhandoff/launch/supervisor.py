@@ -44,7 +44,7 @@ import httpx
 
 from kvhandoff.launch.lifeline import child_env
 from kvhandoff.launch.netlink import EmulatedLink, LinkError, LinkSpec
-from kvhandoff.wire.auth import SECRET_ENV
+from kvhandoff.wire.auth import SECRET_ENV, control_headers
 from kvhandoff.wire.modes import COLOCATED, STACK_MODES
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # before the 1st, 2nd, ... restart within the window
@@ -334,7 +334,8 @@ def supervise(children: list[Child], cfg: LaunchConfig, env: dict[str, str]) -> 
     """Until the stack must stop: restart dead workers, say when the stack (or a worker) serves."""
     deadline = time.monotonic() + cfg.startup_timeout
     serving = False
-    with httpx.Client(timeout=2.0) as client:
+    # The control token: it passes an API key gate (--api-key) whatever paths it leaves open.
+    with httpx.Client(timeout=2.0, headers=control_headers(env[SECRET_ENV])) as client:
         while True:
             now = time.monotonic()
             reap(children, cfg, now)

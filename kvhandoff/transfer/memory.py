@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import mmap
 import os
@@ -114,6 +115,19 @@ class Segment:
         self.array = None
 
 
+class NoRoom(OSError):
+    """The shared-memory directory cannot hold a segment; the message says what to change."""
+
+
+def no_room(directory: str, nbytes: int) -> NoRoom:
+    st = os.statvfs(directory)
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"
+    return NoRoom(errno.ENOSPC, f"the KV pool needs {mib(nbytes)} of shared memory in {directory}, which has "
+                  f"{mib(st.f_bavail * st.f_frsize)} free of {mib(st.f_blocks * st.f_frsize)}: lower --kv-cache-mb "
+                  f"(or --num-blocks), give {directory} more room (docker run --shm-size=2g; mount -o remount,"
+                  f"size=2G {directory}), or point --kv-shm-dir at a larger tmpfs")
+
+
 def create_segment(tag: str, nbytes: int, directory: str = SHM_DIR) -> Segment:
     """A new zero-filled segment of `nbytes`, mode 0600, named after this process and `tag`."""
     assert nbytes > 0
@@ -124,7 +138,12 @@ def create_segment(tag: str, nbytes: int, directory: str = SHM_DIR) -> Segment:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)                      # whatever the umask, never more than the owner
-        os.posix_fallocate(fd, 0, nbytes)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise no_room(directory, nbytes) from None
         mapping = _map(fd, nbytes)
         st = os.fstat(fd)
     except BaseException:

@@ -408,6 +408,24 @@ class PushDecode(DecodeSide):
         rt.on(M.Done, None, self._late)
         rt.on(M.Failed, None, self._late)
         rt.every_tick(self._deadlines)
+        rt.on_peer_lost(self._prefill_lost)
+
+    def _prefill_lost(self, peer: str, reason: str) -> None:
+        """A prefill worker's agent died (SIGKILL, crash): a dead writer writes no more, so every handoff
+        waiting on it is recomputed (or failed, by policy) now, its blocks free at once, instead of at
+        the write deadline. Its WRITEs come only over that connection or from that process."""
+        for incoming in self.rt.table.entries(Incoming):
+            if incoming.side is self and incoming.peer == peer:
+                self.rt.fail(incoming, f"the prefill worker's agent is gone ({reason})")
+
+    def writer_gone(self, incoming: Incoming) -> bool:
+        """Whether the prefill that would write this handoff's blocks can no longer write anything."""
+        return incoming.peer is not None and incoming.peer not in self.rt.agent.peers
+
+    def fail_reported(self, incoming: Incoming, reason: str, settled: bool, recompute: bool | None) -> bool:
+        # The router saw the prefill leg fail; when its agent's death was seen first, nothing is left
+        # to set the blocks aside for.
+        return super().fail_reported(incoming, reason, settled or self.writer_gone(incoming), recompute)
 
     async def decode(self, kv: M.PushDecodeParams, prompt_ids: list[int], params: SamplingParams, on_output) -> None:
         """Queue the request; once blocks are reserved it registers them with the prefill worker."""
@@ -459,7 +477,7 @@ class PushDecode(DecodeSide):
             status, body = await self.rt.control.post(url, "/kv/register", registration.to_dict())
         except ConnectionError as exc:
             # It may or may not have arrived: keep the blocks aside until the push deadline passes.
-            self.rt.fail(incoming, f"registration with {url} failed: {exc}", settled=False)
+            self.rt.fail(incoming, f"registration with {url} failed: {exc}", settled=self.writer_gone(incoming))
             return
         if status >= 400:
             error = (body.get("error") or {}) if isinstance(body, dict) else {}
