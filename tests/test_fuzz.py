@@ -1,19 +1,23 @@
-"""Hostile input, generated (hypothesis): the public endpoints and the workers' control endpoints
-answer every malformed or unexpected body with a 4xx (or a normal answer), never a 5xx, never a
-crash, and nothing they were sent leaves a block behind."""
+"""Hostile input, generated (hypothesis): the public endpoints (a server's and the router's), the
+router's admin endpoints and the workers' control endpoints answer every malformed or unexpected
+body, header, method or size with a 4xx (or a normal answer), never a 5xx, never a crash; nothing
+they were sent leaves a block behind, and control messages naming a live handoff never make another
+request's answer wrong."""
 from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ServerProcess
+from conftest import ServerProcess, prefill_handoff
 from kvhandoff.wire.auth import control_headers
 from kvhandoff.wire.messages import PROTOCOL_VERSION
+from test_router import ROUTER_READY, Proc
 
 SECRET = "fuzz-secret"
 HEADERS = control_headers(SECRET)
@@ -56,7 +60,7 @@ def wait_idle(server: ServerProcess, timeout: float = 20) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         h = server.health()
-        if (h["num_free_blocks"] == h["num_blocks"] and not h["num_pinned_handoffs"] and not h["num_running"]
+        if (h["num_free_blocks"] + h.get("num_retained_blocks", 0) == h["num_blocks"] and not h["num_pinned_handoffs"] and not h["num_running"]
                 and not h["num_waiting"]) or time.monotonic() > deadline:
             return h
         time.sleep(0.1)
@@ -142,3 +146,114 @@ def test_control_fuzzing_leaves_nothing_behind(workers):
         h = wait_idle(server, timeout=30)
         assert h["num_free_blocks"] == h["num_blocks"] and not h["num_pinned_handoffs"], (role, h)
         assert h["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The router: public endpoints (bodies, headers, methods, sizes), admin endpoints, and control messages
+# that name a live handoff
+
+COMPLETION_FIELDS = {"prompt": st.one_of(st.text(max_size=60), st.lists(st.integers(-3, 700), max_size=20), values),
+                     "echo": values, "suffix": values}
+CHAT_FIELDS = {"messages": messages, "max_completion_tokens": max_tokens, "tools": values}
+HEADER_NAMES = ["X-Session-Id", "Authorization", "Accept", "Content-Type", "X-Request-Id", "Accept-Encoding",
+                "X-Forwarded-For", "Cookie", "Connection"]
+headers = st.dictionaries(st.one_of(st.sampled_from(HEADER_NAMES), st.from_regex(r"\AX-[A-Za-z0-9-]{1,12}\Z")),
+                          # (what a client can send at all: printable ASCII, no white space at either end)
+                          st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=40)
+                          .map(str.strip),
+                          max_size=4)
+ROUTER_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/tiny", "/v1/models/x/y",
+                "/health", "/metrics", "/admin/workers", "/kv/release", "/", "/nope"]
+
+
+@pytest.fixture(scope="module")
+def router(workers, tmp_path_factory):
+    """A push router with --bidirectional (sessions, retention) over the fuzz's two workers."""
+    proc = Proc(["router", "--prefill", workers["prefill"].url, "--decode", workers["decode"].url, "--mode", "push",
+                 "--bidirectional", "--port", "0", "--request-timeout", "60"],
+                tmp_path_factory.mktemp("fuzz") / "router.log", ROUTER_READY, env={"KVHANDOFF_SECRET": SECRET})
+    yield proc
+    assert proc.stop() == 0
+    assert "Traceback" not in proc.text(), proc.text()[-4000:]
+
+
+@FUZZ
+@given(chat=st.booleans(), completion=bodies(COMPLETION_FIELDS), chat_body=bodies(CHAT_FIELDS), extra=headers)
+def test_router_public_endpoints_never_5xx(router, chat, completion, chat_body, extra):
+    path, body = ("/v1/chat/completions", chat_body) if chat else ("/v1/completions", completion)
+    assert_sane(post(router.url, path, body, extra))
+
+
+@FUZZ
+@given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
+       path=st.sampled_from(ROUTER_PATHS), query=st.dictionaries(st.sampled_from(["url", "role", "x"]),
+                                                                 st.text(max_size=20), max_size=2),
+       content=st.one_of(st.none(), st.binary(max_size=64)))
+def test_router_methods_and_paths_never_5xx(router, method, path, query, content):
+    r = httpx.request(method, router.url + path, params=query, content=content, timeout=60)
+    assert r.status_code < 500, f"{method} {path}: {r.status_code} {r.text[:300]}"
+
+
+def test_router_takes_a_huge_body_without_5xx(router):
+    """2 MiB of prompt text (about a million tokens): refused as over the context, not a crash."""
+    r = post(router.url, "/v1/completions", {"model": "tiny", "prompt": "a " * (1 << 20), "max_tokens": 2})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"], r.text[:300]
+
+
+urls = st.one_of(st.sampled_from(["http://127.0.0.1:1", "127.0.0.1:2", "http://[::1]:3", "ftp://x", "", "http://",
+                                  "http://127.0.0.1:1,http://127.0.0.1:2"]), values)
+
+
+@FUZZ
+@given(delete=st.booleans(), body=st.one_of(values, st.fixed_dictionaries({}, optional={
+    "role": st.one_of(st.sampled_from(["prefill", "decode"]), values), "url": urls})), url=urls)
+def test_router_admin_endpoints_never_5xx(router, workers, delete, body, url):
+    if delete:
+        r = httpx.delete(router.url + "/admin/workers", params={"url": url if isinstance(url, str) else json.dumps(url)},
+                         headers=HEADERS, timeout=60)
+    else:
+        r = post(router.url, "/admin/workers", body, HEADERS)
+    assert_sane(r)
+    original = {workers["prefill"].url, workers["decode"].url}
+    for worker in httpx.get(router.url + "/admin/workers", headers=HEADERS, timeout=10).json()["workers"]:
+        if worker["url"] not in original:       # leave the pool as it was for the next example
+            assert httpx.delete(router.url + "/admin/workers", params={"url": worker["url"]}, headers=HEADERS,
+                                timeout=10).status_code == 200
+
+
+def test_control_messages_naming_a_live_handoff_never_make_an_answer_wrong(workers, router, public):
+    """A pull handoff pinned on the prefill worker, then every control endpoint of both workers fuzzed
+    with its id: the decode that then reads it answers the colocated tokens (read, or recomputed if
+    a message released it) or refuses an id a message ended; a request through the router answers
+    the colocated tokens, and both pools return to baseline."""
+    request = {"model": "tiny", "prompt": "delta echo foxtrot golf hotel india", "max_tokens": 8, "temperature": 0,
+               "ignore_eos": True}
+    expected = httpx.post(public.url + "/v1/completions", json=request, timeout=60).json()["choices"][0]["text"]
+    handoff_id = "live-" + uuid.uuid4().hex
+    kv = {"handoff_id": handoff_id, "mode": "pull", "protocol_version": PROTOCOL_VERSION}
+    handoff = prefill_handoff(post(workers["prefill"].url, "/v1/completions",
+                                   {**request, "kv_transfer_params": {**kv, "role": "prefill"}}, HEADERS))
+
+    @FUZZ
+    @given(path=st.sampled_from(CONTROL_PATHS), body=control_bodies, role=st.sampled_from(["prefill", "decode"]))
+    def fuzz(path, body, role):
+        if isinstance(body, dict):
+            body["handoff_id"] = handoff_id
+        assert_sane(post(workers[role].url, path, body, HEADERS))
+
+    fuzz()
+    # A /kv/cancel the fuzzing sent the decode worker ends the id there for good: a refusal saying so is
+    # right; anything else must be colocated's tokens (read, or recomputed after a release).
+    r = post(workers["decode"].url, "/v1/completions",
+             {**request, "kv_transfer_params": {**kv, "role": "decode", "remote": handoff}}, HEADERS)
+    if r.status_code == 409:
+        assert f"handoff {handoff_id} already ended" in r.json()["error"]["message"], r.text[:500]
+    else:
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text[:500]
+    r = httpx.post(router.url + "/v1/completions", json=request, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text[:500]
+    # (The router's requests leave their conversations' KV retained on the decode worker, by design.)
+    for role, server in workers.items():
+        h = wait_idle(server, timeout=30)
+        retained = h.get("num_retained_blocks", 0)
+        assert h["num_free_blocks"] + retained == h["num_blocks"] and not h["num_pinned_handoffs"], (role, h)
