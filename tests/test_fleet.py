@@ -225,8 +225,16 @@ def fleet(tmp_path_factory):
 def fleet_router(tmp_path, fleet, *flags: str) -> Proc:
     prefills, decodes = fleet
     router = start_router(tmp_path, ",".join(prefills), ",".join(decodes), "pull", "--health-interval", "0.2", *flags)
-    time.sleep(0.5)                      # a poll of every worker (its step time, pool size) has landed
+    polled(router.url)
     return router
+
+
+def polled(router_url: str) -> None:
+    """Until a poll of every worker (its step time, pool size) has landed in the router."""
+    def landed() -> bool:
+        workers = httpx.get(router_url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
+        return all(w["num_free_blocks"] is not None for w in workers)
+    wait_until(landed, "the router has not polled every worker", timeout=20)
 
 
 def post(router: Proc, prompt: list[int], max_tokens: int = TOKENS) -> dict:
@@ -332,7 +340,7 @@ def test_late_binding_moves_a_request_off_a_decode_worker_that_fell_behind(tmp_p
             router = start_router(tmp_path, prefill.url, ",".join(decodes), mode, "--health-interval", "0.2",
                                   "--decode-policy", "round-robin", "--late-binding")
             try:
-                time.sleep(0.5)
+                polled(router.url)
                 answers = []
                 for i in range(6):          # decode-0, 1, 2 at arrival, in turn (moves leave the turn as it is)
                     if i == 5:

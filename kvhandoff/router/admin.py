@@ -23,8 +23,11 @@ ROLES = ("prefill", "decode")
 
 
 def listing(worker: Worker) -> dict:
+    """What the router knows of a worker; `step_ms` and `num_free_blocks` are from its last /health
+    poll (None until one answered)."""
     return {"url": worker.url, "role": worker.role, "healthy": worker.healthy, "draining": worker.draining,
-            "in_flight": worker.in_flight}
+            "in_flight": worker.in_flight, "step_ms": worker.last_health.get("step_ms"),
+            "num_free_blocks": worker.last_health.get("num_free_blocks")}
 
 
 def one_url(raw) -> str:
