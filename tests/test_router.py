@@ -720,18 +720,19 @@ def greedy_all(url: str) -> list[tuple[str, dict | None]]:
         return list(pool.map(lambda i: greedy(url, PROMPTS[i], stream=i % 2 == 1), range(len(PROMPTS))))
 
 
-def wait_pools_at_baseline(router_url: str, timeout: float = 15.0) -> None:
-    """Every worker's pool back to all-free, nothing pinned or quarantined (releases are asynchronous)."""
+def wait_pools_at_baseline(router_url: str, timeout: float = 15.0) -> float:
+    """Every worker's pool back to all-free, nothing pinned or quarantined (releases are asynchronous):
+    the seconds it took to see it."""
     def settled(w: dict) -> bool:
         return (w["num_free_blocks"] == w["num_blocks"] and not w.get("num_pinned_handoffs")
                 and not w.get("num_quarantined") and not w.get("num_waiting_for_kv"))
     workers = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    while time.monotonic() < started + timeout:
         workers = httpx.get(router_url + "/health", timeout=10).json()["workers"]
         if all(settled(w) for w in workers):
-            return
-        time.sleep(0.1)
+            return time.monotonic() - started
+        time.sleep(0.05)
     raise AssertionError(f"pools not back at baseline: {workers}")
 
 

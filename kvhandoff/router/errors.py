@@ -49,6 +49,16 @@ def refused(failure: BaseException | None) -> bool:
         (isinstance(failure, P.APIError) and failure.code == "worker_unreachable")
 
 
+def stream_error(failure: BaseException, message: str) -> dict:
+    """The error event that ends a stream already under way. A worker's backpressure (429) can only
+    come this way once the client has a token (pull: the prefill's first token is sent before the
+    decode worker admits the request), so it keeps its meaning: OpenAI's code for it, and when to retry."""
+    if isinstance(failure, Relay) and failure.status == 429:
+        after = f"; retry after {failure.retry_after} s" if failure.retry_after else ""
+        return P.error_body(message + after, "server_error", code="rate_limit_exceeded")
+    return P.error_body(message, "server_error")
+
+
 def deadline_error(seconds: float) -> P.APIError:
     return P.APIError(504, f"the request took longer than the router's --request-timeout of {seconds:g} s",
                       type="server_error", code="request_timeout")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 from kvhandoff.router.attempt import Attempt, Phase, rewrite_final
-from kvhandoff.router.errors import Relay, WorkerFailure, deadline_error, failure_message, worker_failure
+from kvhandoff.router.errors import Relay, WorkerFailure, deadline_error, failure_message, stream_error, worker_failure
 from kvhandoff.router.retry import retry_elsewhere
 from kvhandoff.router.upstream import Answer, UpstreamError
 from kvhandoff.wire import api as P
@@ -116,7 +116,7 @@ class Follow:
                     message = failure_message(failure)
                     if attempt.retry_reason:
                         message += f" (retried after: {attempt.retry_reason})"
-                    yield self.flush() + sse_event(P.error_body(message, "server_error")) + DONE
+                    yield self.flush() + sse_event(stream_error(failure, message)) + DONE
                     return
                 if kind == "end":
                     attempt.phase = Phase.DRAINED
