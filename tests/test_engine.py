@@ -610,10 +610,10 @@ def test_a_loop_that_can_run_nothing_sleeps(prompts, reference):
     loop.start()
     try:
         loop.submit("big", prompts[7], GREEDY, on_output)                             # needs 10
-        time.sleep(0.3)
+        assert waited_for(lambda: loop.asleep and "big" in engine.requests)
         steps = loop.num_steps
-        time.sleep(0.5)
-        assert loop.num_steps == steps and not finished.is_set(), f"{loop.num_steps - steps} idle steps"
+        time.sleep(0.5)                 # an absence (no step) can only be watched for a while
+        assert loop.num_steps == steps and loop.asleep and not finished.is_set(), f"{loop.num_steps - steps} idle steps"
         loop.call(lambda: engine.kv_failed("hog", recompute=False, reason="room for big")).result(10)
         assert finished.wait(30) and tokens == reference[7]
     finally:
@@ -631,10 +631,7 @@ def test_a_connector_event_wakes_a_sleeping_loop(prompts, reference):
     loop.start()
     try:
         loop.submit("lost", prompts[3], GREEDY, on_output, remote_tokens=len(prompts[3]))
-        deadline = time.monotonic() + 5
-        while "lost" not in engine.connector.reservations and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)                 # reserved, waiting for K/V: the loop is asleep
+        assert waited_for(lambda: "lost" in engine.connector.reservations and loop.asleep)   # reserved, awaiting K/V
         steps = loop.num_steps
         post(engine, lost=[Lost("lost", True, "the transfer failed")])      # from a non-engine thread
         loop.wake()

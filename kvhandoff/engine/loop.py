@@ -56,6 +56,7 @@ class EngineLoop:
         self.num_steps = 0
         self.step_delay_s = 0.0         # tests only (--inject-faults step_ms): every step takes this much longer
         self.step_ms: float | None = None   # how long steps take lately (EWMA), for load-aware routing
+        self.asleep = False             # waiting for a message (nothing it can run): tests await it
 
     def start(self) -> None:
         self._thread.start()
@@ -149,7 +150,9 @@ class EngineLoop:
         while True:
             with self._wake:
                 while not self._inbox and not self._stopping and self._idle():
+                    self.asleep = True
                     self._wake.wait()
+                    self.asleep = False
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []
