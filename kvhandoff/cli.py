@@ -193,10 +193,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         faults = Faults.parse(args.inject_faults)
     except ValueError as exc:
         raise SystemExit(f"kvhandoff serve: --inject-faults: {exc}") from None
-    # A colocated server has no handoff to fault: only a slow step means anything there, and a fault
-    # that would be silently ignored is refused instead.
-    if args.role == "both" and faults != Faults(step_ms=faults.step_ms):
-        raise SystemExit("kvhandoff serve: --inject-faults: a colocated server (--role both) takes only step_ms=N")
+    # A colocated server has no handoff to fault: only its engine's faults mean anything there, and a
+    # fault that would be silently ignored is refused instead.
+    if args.role == "both" and faults != Faults(step_ms=faults.step_ms, engine_fail=faults.engine_fail):
+        raise SystemExit("kvhandoff serve: --inject-faults: a colocated server (--role both) takes only step_ms=N "
+                         "and engine_fail")
     from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
     agent = connector = None
     # A colocated server needs no secret; with one (under `kvhandoff up`), its API key gate also lets
@@ -228,7 +229,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loop = EngineLoop(engine)
     if faults.any:
         log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)
-    loop.step_delay_s = faults.step_ms / 1000
+    loop.step_delay_s, loop.fail_steps = faults.step_ms / 1000, faults.engine_fail
+    loop.on_fatal = stop_after_engine_failure
     try:
         max_in_flight = args.max_in_flight if args.max_in_flight > 0 else None
         app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model), max_in_flight, args.queue_wait_s)
@@ -265,7 +267,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if agent is not None:
             agent.close()       # unlinks the shared-memory KV pool
         log.info("engine stopped")
+        if loop.fatal_error:            # (replaces the SystemExit(0) its SIGTERM became)
+            raise SystemExit(1)
     return 0
+
+
+def stop_after_engine_failure(error: str) -> None:
+    """The engine loop died of a bug: every request it had was failed with `error`. Stop the worker
+    the way SIGTERM does (its KV pool unlinked, its port closed) and exit 1, so that `kvhandoff up`
+    (or any supervisor) starts a fresh one; kept alive it could only answer 503."""
+    logging.getLogger("kvhandoff.cli").critical("%s; stopping this worker so that its supervisor can start a "
+                                                "fresh one", error)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

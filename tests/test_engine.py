@@ -14,7 +14,7 @@ import torch
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
-from kvhandoff.engine.holds import Hold
+from kvhandoff.engine.holds import Hold, set_aside_owner
 from kvhandoff.engine.kv_connector import KVConnector, KVEvents, Lost
 from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestState, SamplingParams
@@ -445,7 +445,7 @@ def test_abort_while_waiting_for_kv_sets_blocks_aside_until_settled(prompts):
     out = decode.abort("gone")
     assert out.finish_reason == "abort"
     # The transfer into those blocks has not settled: they must not be handed to anyone yet.
-    assert decode.num_free_blocks == 64 - 4 and decode.holds.get("gone", Hold.SET_ASIDE)
+    assert decode.num_free_blocks == 64 - 4 and decode.holds.get(set_aside_owner("gone"), Hold.SET_ASIDE)
     decode.kv_ready("gone", 1)          # the transfer lands after all: just free
     assert decode.num_free_blocks == 64 and not decode.holds.count(Hold.SET_ASIDE)
     # A peer that went quiet: give up (recompute elsewhere in the pool), free when it settles.
@@ -453,8 +453,27 @@ def test_abort_while_waiting_for_kv_sets_blocks_aside_until_settled(prompts):
     assert decode.kv_failed("quiet", recompute=True, reason="watchdog", settled=False) is None
     _, done = run_until_finished(decode, "quiet")
     assert done.finish_reason == "length" and decode.num_free_blocks == 64 - 4
-    assert decode.release("quiet")
+    assert decode.release(set_aside_owner("quiet"))
     assert decode.num_free_blocks == 64
+
+
+def test_a_request_recomputed_while_its_old_blocks_wait_can_retain_its_new_ones(prompts):
+    """A bidirectional decode worker gives up on a quiet peer's K/V (blocks set aside), recomputes the
+    request and retains its KV at the end, under the request's id: both holds live side by side, and
+    settling the transfer frees the set-aside blocks only. (They shared the key: the retain hit an
+    assert and the decode worker's engine loop died, in a chaos soak with prefill workers killed.)"""
+    decode = connected(num_blocks=64)
+    decode.add_request("quiet", prompts[3], GREEDY, remote_tokens=len(prompts[3]), retain=True)
+    decode.step()                       # reserves its blocks
+    decode.kv_failed("quiet", recompute=True, reason="the prefill worker died", settled=False)
+    _, done = run_until_finished(decode, "quiet")
+    assert done.finish_reason == "length" and done.retained is not None
+    retained = decode.retained("quiet")
+    assert retained is not None and decode.holds.get(set_aside_owner("quiet"), Hold.SET_ASIDE)
+    decode.kv_ready("quiet", 1)         # the transfer settles late: only the set-aside blocks go back
+    assert decode.retained("quiet") is retained and not decode.holds.count(Hold.SET_ASIDE)
+    assert decode.num_free_blocks == 64 - len(retained.block_ids)
+    assert decode.release("quiet") and decode.num_free_blocks == 64
 
 
 def post(engine: LLMEngine, **events) -> None:

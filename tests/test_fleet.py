@@ -524,3 +524,21 @@ def test_up_restarts_a_dead_colocated_worker_and_gives_up_a_crash_loop(tmp_path)
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stdout[-3000:]
     assert "giving up on it" in out.stdout and "every worker has been given up" in out.stdout, out.stdout[-3000:]
+
+
+def test_a_worker_whose_engine_loop_died_stops_and_up_starts_a_fresh_one(tmp_path):
+    """A bug that kills a worker's engine loop (`--inject-faults engine_fail` stands in for one; the
+    set-aside/retain collision a chaos soak found was one) fails the request it had with a message and
+    stops the worker with status 1, so that `up` starts a fresh one. (The process used to stay up,
+    answering 503 to every /health, and nothing restarted it.)"""
+    stack = up(tmp_path, "colocated", "--worker-args", "worker=--inject-faults engine_fail")
+    try:
+        first = child_pids(stack)["worker"]
+        r = httpx.post(stack.url + "/v1/completions", json=completion(PROMPTS[0]), timeout=60)
+        assert r.status_code >= 500 and "injected engine failure" in r.text, r.text
+        stack.wait_for(re.compile(r"^kvhandoff up: worker .* exited with status 1; restarting", re.M), timeout=60)
+        stack.wait_for(re.compile(r"^kvhandoff up: worker .* is serving again", re.M), timeout=60)
+        assert int(UP_RESTARTED.search(stack.text())["pid"]) != first
+        assert httpx.get(stack.url + "/health", timeout=10).status_code == 200
+    finally:
+        stack.stop()

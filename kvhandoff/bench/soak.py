@@ -180,6 +180,8 @@ class Soak:
             r = await client.post(self.url + "/v1/chat/completions", json={"messages": "not a list"})
         if 400 <= r.status_code < 500:
             self.note("rejected_4xx")
+        elif self.args.kill_every_s and r.status_code in (502, 503):     # no worker left to validate it
+            self.note("failed_clearly", f"HTTP {r.status_code}: {r.text[:200]}")
         else:
             self.note("unexpected_bad_request_answer", f"HTTP {r.status_code}: {r.text[:200]}")
 

@@ -14,7 +14,7 @@ import torch
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.block_pool import BlockPool, hash_chain
-from kvhandoff.engine.holds import Hold, Holdings
+from kvhandoff.engine.holds import Hold, Holdings, set_aside_owner
 from kvhandoff.engine.kv_connector import KVConnector, KVEvents
 from kvhandoff.engine.request import (FinishReason, Request, RequestOutput, RequestState, Resume, RetainedKV,
                                       SamplingParams)
@@ -196,7 +196,7 @@ class LLMEngine:
         meanwhile, its blocks were only set aside for the transfer: free them.)"""
         request = self.requests.get(request_id)
         if request is None or request.state is not RequestState.WAITING_FOR_KV:
-            self.release(request_id)
+            self.release(set_aside_owner(request_id))
             return None
         self.scheduler.kv_arrived(request)
         if request.remote_tokens < request.num_prompt_tokens:
@@ -212,17 +212,17 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.state not in (RequestState.WAITING_REMOTE, RequestState.WAITING_FOR_KV):
             if settled:                 # aborted while waiting: nothing left but the blocks, if any
-                self.release(request_id)
+                self.release(set_aside_owner(request_id))
             return None
         blocks = self.scheduler.remote_lost(request)
         self._set_aside(request_id, blocks, settled)
         return None if recompute else self._finish(request, FinishReason.ERROR, reason)
 
-    def _set_aside(self, owner: str, blocks: list[int], settled: bool) -> None:
+    def _set_aside(self, request_id: str, blocks: list[int], settled: bool) -> None:
         if settled or not blocks:
             self.pool.free_blocks(blocks)
         else:
-            self.holds.hold(owner, Hold.SET_ASIDE, blocks)
+            self.holds.hold(set_aside_owner(request_id), Hold.SET_ASIDE, blocks)
 
     def release(self, owner: str) -> bool:
         """Give back what `owner` holds (holds.py); False if it holds nothing."""

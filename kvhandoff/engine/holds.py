@@ -18,6 +18,14 @@ from enum import Enum
 from kvhandoff.engine.request import RetainedKV
 
 
+def set_aside_owner(request_id: str) -> str:
+    """Who holds a request's set-aside blocks: not the request's own id, which a request recomputed
+    after its K/V was lost still needs for what it pins or retains at its end, while the old blocks
+    wait for the transfer to settle. (One key for both once made a retain collide with the set-aside
+    hold and killed a decode worker's engine loop in a chaos soak.)"""
+    return f"{request_id}/set-aside"
+
+
 class Hold(Enum):
     PINNED = "pinned"
     SET_ASIDE = "set_aside"

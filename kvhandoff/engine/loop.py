@@ -55,8 +55,12 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
         self.step_delay_s = 0.0         # tests only (--inject-faults step_ms): every step takes this much longer
+        self.fail_steps = False         # tests only (--inject-faults engine_fail): a step raises, as a bug would
         self.step_ms: float | None = None   # how long steps take lately (EWMA), for load-aware routing
         self.asleep = False             # waiting for a message (nothing it can run): tests await it
+        # Called (on the loop's thread) once the loop died of a bug: a worker stops itself, so that
+        # its supervisor starts a fresh one instead of keeping a process that can only answer 503.
+        self.on_fatal: Callable[[str], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -145,6 +149,8 @@ class EngineLoop:
             self._callbacks.clear()
             for request_id, callback in pending:
                 callback(RequestOutput(request_id, [], "", True, "error", 0, 0, error=self.fatal_error))
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal_error)
 
     def _serve(self) -> None:
         while True:
@@ -161,6 +167,8 @@ class EngineLoop:
                 started, forward_s = time.perf_counter(), self.engine.forward_s
                 if self.step_delay_s:       # before the step: what it makes (a token, a computed prompt) is late too
                     time.sleep(self.step_delay_s)
+                if self.fail_steps:
+                    raise RuntimeError("injected engine failure (--inject-faults engine_fail)")
                 outputs += self.engine.step()
                 self.num_steps += 1
                 if self.engine.forward_s != forward_s:          # a step that ran the model

@@ -5,6 +5,8 @@ Enabled only by `kvhandoff serve --inject-faults SPEC`, never by default. SPEC i
 - `slow_ms=N`: every READ or WRITE this worker posts leaves N ms late, each on its own (a link's
   latency): transfers queued together are late together, not one after another.
 - `step_ms=N`: every engine step of this worker takes N ms longer (a slow or overloaded worker).
+- `engine_fail`: the engine loop raises at its first step, as a bug in the engine would: the worker
+  fails what it had and stops itself with status 1 (so that a supervisor starts a fresh one).
 - `drop=KIND[+KIND]`: notifications of these kinds are not sent (done, failed, release, renew, cancel,
   unlease); `delay_ms=N`: every notification is sent N ms late.
 - `kill_at=PHASE`: the worker SIGKILLs itself (a crash: no cleanup, no goodbye) the first time one of
@@ -43,6 +45,7 @@ class Faults:
     drop: set[str] = field(default_factory=set)
     delay_ms: float = 0.0
     kill_at: str | None = None
+    engine_fail: bool = False
 
     @classmethod
     def parse(cls, spec: str | None) -> "Faults":
@@ -51,7 +54,7 @@ class Faults:
             key, _, value = part.strip().partition("=")
             if not key:
                 continue
-            if key in ("read_fail", "write_fail") and not value:
+            if key in ("read_fail", "write_fail", "engine_fail") and not value:
                 setattr(faults, key, True)
             elif key == "drop" and value:
                 kinds = set(value.split("+"))
@@ -69,7 +72,7 @@ class Faults:
     @property
     def any(self) -> bool:
         return (self.read_fail or self.write_fail or bool(self.drop) or self.delay_ms > 0 or self.slow_ms > 0
-                or self.step_ms > 0 or self.kill_at is not None)
+                or self.step_ms > 0 or self.kill_at is not None or self.engine_fail)
 
     def reached(self, phase: str, handoff_id: str, delay_s: float = 0.0) -> None:
         """A handoff of this worker reached `phase`: die here if told to."""

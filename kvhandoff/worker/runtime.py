@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from kvhandoff.engine.holds import set_aside_owner
 from kvhandoff.engine.kv_connector import KVEvents, Landed, Lost
 from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.transfer.agent import TransferAgent
@@ -476,7 +477,7 @@ class Runtime:
         with self._lock:
             known = self.set_aside.pop(request_id, None) is not None
         if known:
-            self.release(request_id)
+            self.release(set_aside_owner(request_id))
         return known
 
     def refuse_ended(self, handoff_id: str) -> None:
