@@ -82,7 +82,8 @@ def worker_pids(stack: Stack) -> dict[str, int]:
 
 
 def process_names(stack: Stack) -> dict[int, str]:
-    """pid -> role (a worker's with its port, which a restart keeps), from the command lines under `kvhandoff up`."""
+    """pid -> role (a worker's with its port, which a restart keeps), from the command lines under
+    `kvhandoff up`."""
     names = {}
     for pid in stack.pids():
         try:
@@ -204,7 +205,8 @@ class Soak:
         how = {k: v for k, v in (result.handoff or {}).items() if k in ("kv_source", "retried_elsewhere", "migrated",
                                                                           "reused_tokens") and v}
         if result.output_tokens != max_tokens:
-            self.note("unexpected_short", f"prompt {index}: {result.output_tokens} of {max_tokens} tokens, no error; {how}")
+            self.note("unexpected_short",
+                      f"prompt {index}: {result.output_tokens} of {max_tokens} tokens, no error; {how}")
         elif self.check_tokens and self.answers.setdefault(index, result.text) != result.text:
             self.note("unexpected_wrong_tokens", f"prompt {index}: {result.text[:80]!r} where "
                       f"{self.answers[index][:80]!r} came before; {how}")
@@ -337,7 +339,8 @@ class Soak:
                 "prefill": self.args.prefill, "decode": self.args.decode, "chaos": chaos,
                 "concurrency": self.args.concurrency, "git_commit": git_commit(), "outcomes": dict(self.outcomes),
                 "unexpected": self.unexpected, "rss": rss, "peak_blocks_used": peak, "after_drain": drained,
-                "leaks": leaks, "tokens_checked": self.check_tokens, "serving_at_end": self.serving_at_end, "samples": self.samples}
+                "leaks": leaks, "tokens_checked": self.check_tokens, "serving_at_end": self.serving_at_end,
+                "samples": self.samples}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     # Under chaos a worker may die far more often than a crash loop's 5 in 300 s: never give one up.
     restarts = ["--max-restarts", "1000000"] if args.kill_every_s else []
     stack = Stack(f"soak-{args.mode}", args.mode, "0,1",
-                  ["--model", args.model, "--num-blocks", str(args.num_blocks), "--dtype", args.dtype, "--bidirectional",
-                   "--retention-ttl", f"{args.retention_ttl:g}", "--prefill", str(args.prefill),
+                  ["--model", args.model, "--num-blocks", str(args.num_blocks), "--dtype", args.dtype,
+                   "--bidirectional", "--retention-ttl", f"{args.retention_ttl:g}", "--prefill", str(args.prefill),
                    "--decode", str(args.decode), *restarts], args.out / "stack.log")
     stop_on_signal(lambda: [stack])
     log(f"soak: starting a {args.mode} stack ({args.model}, {args.prefill} prefill + {args.decode} decode); "
@@ -400,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = bool(result["unexpected"] or result["leaks"] or result["chaos"]["not_recovered"]
                   or result["serving_at_end"] != "ok")
     log(f"soak {'FAILED' if failed else 'passed'}: {len(result['unexpected'])} unexpected outcomes, "
-        f"leaks on {result['leaks'] or 'no worker'}, a request after the drain: {result['serving_at_end']}; details in {args.out / 'soak.json'}")
+        f"leaks on {result['leaks'] or 'no worker'}, a request after the drain: {result['serving_at_end']}; "
+        f"details in {args.out / 'soak.json'}")
     return 1 if failed else 0
 
 
