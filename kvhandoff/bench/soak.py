@@ -68,29 +68,28 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int | None:
     return None
 
 
-def worker_pids(stack: Stack) -> dict[str, int]:
-    """A worker's URL (the port on its command line; workers bind loopback) -> the pid serving it now."""
-    found = {}
+def command_lines(stack: Stack) -> dict[int, list[str]]:
+    """pid -> its command line's words, for the processes under `kvhandoff up` (one gone meanwhile is left out)."""
+    lines = {}
     for pid in stack.pids():
         try:
-            words = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            lines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "serve" in words and "--role" in words[:-1] and "--port" in words[:-1]:
-            found[f"http://127.0.0.1:{words[words.index('--port') + 1]}"] = pid
-    return found
+    return lines
+
+
+def worker_pids(stack: Stack) -> dict[str, int]:
+    """A worker's URL (the port on its command line; workers bind loopback) -> the pid serving it now."""
+    return {f"http://127.0.0.1:{words[words.index('--port') + 1]}": pid for pid, words in command_lines(stack).items()
+            if "serve" in words and "--role" in words[:-1] and "--port" in words[:-1]}
 
 
 def process_names(stack: Stack) -> dict[int, str]:
     """pid -> role (a worker's with its port, which a restart keeps), from the command lines under
     `kvhandoff up`."""
     names = {}
-    for pid in stack.pids():
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        words = [a.decode(errors="replace") for a in argv]
+    for pid, words in command_lines(stack).items():
         if "router" in words:
             names[pid] = "router"
         elif "--role" in words:
@@ -220,7 +219,7 @@ class Soak:
             if time.monotonic() >= until:
                 break
             try:
-                workers = (await client.get(self.url + "/health")).json()["workers"]
+                workers = await self.workers(client)
             except httpx.HTTPError as e:
                 self.note("unexpected_transport_error", f"router /health: {type(e).__name__}: {e}")
                 continue
@@ -246,7 +245,7 @@ class Soak:
         deadline = killed_at + 120.0
         while time.monotonic() < deadline:
             try:
-                workers = (await client.get(self.url + "/health")).json()["workers"]
+                workers = await self.workers(client)
             except httpx.HTTPError:
                 workers = []            # the client loops count the router's failures; keep looking
             if any(w["url"] == kill["url"] and w.get("status") == "ok" for w in workers) \
@@ -254,6 +253,10 @@ class Soak:
                 kill["recovered_s"] = round(time.monotonic() - killed_at, 2)
                 return
             await asyncio.sleep(0.1)
+
+    async def workers(self, client: httpx.AsyncClient) -> list[dict]:
+        """The router's /health report of every worker (httpx.HTTPError if the router does not answer)."""
+        return (await client.get(self.url + "/health")).json().get("workers", [])
 
     async def client_loop(self, client: httpx.AsyncClient, until: float) -> None:
         while time.monotonic() < until:
@@ -266,10 +269,10 @@ class Soak:
     async def sampler(self, client: httpx.AsyncClient, until: float, started: float) -> None:
         while True:
             names = process_names(self.stack)      # again each time: a killed worker comes back as another pid
-            health = (await client.get(self.url + "/health")).json()
+            workers = await self.workers(client)
             pools = {w["url"]: {"role": w.get("role"), "used": w["num_blocks"] - w["num_free_blocks"],
                                 "retained": w.get("num_retained_blocks", 0), "total": w["num_blocks"]}
-                     for w in health.get("workers", []) if "num_blocks" in w}     # not one being restarted
+                     for w in workers if "num_blocks" in w}     # not one being restarted
             sample = {"t_s": round(time.monotonic() - started, 1), "rss_kib": {n: rss_kib(p) for p, n in names.items()},
                       "hwm_kib": {n: rss_kib(p, "VmHWM") for p, n in names.items()}, "pools": pools, "requests": sum(self.outcomes.values())}
             self.samples.append(sample)
@@ -287,7 +290,7 @@ class Soak:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0)) as client, \
                 open_session(120.0) as self.streams:
             self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
-            dtypes = {w.get("dtype") for w in (await client.get(self.url + "/health")).json()["workers"]}
+            dtypes = {w.get("dtype") for w in await self.workers(client)}
             # fp32 is batch-invariant (the compiled kernels reduce each row in one order); bf16 is not yet
             # (issue 25): a greedy answer there may change with what shares its steps, wrongly or not.
             self.check_tokens = dtypes == {"float32"}
@@ -307,7 +310,7 @@ class Soak:
         """Wait (up to the retention TTL and a margin) for every pool to be free again."""
         deadline = time.monotonic() + self.args.retention_ttl * 2 + 30
         while True:
-            workers = (await client.get(self.url + "/health")).json()["workers"]
+            workers = await self.workers(client)
             if all(map(at_baseline, workers)) or time.monotonic() > deadline:
                 return {w["url"]: {k: w.get(k) for k in ("role", "num_free_blocks", "num_blocks", "num_pinned_handoffs",
                                                          "num_quarantined", "num_retained_blocks")} for w in workers}
