@@ -143,7 +143,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-faults", default=None, metavar="SPEC",
                    help="TESTING ONLY: make this worker's transfers fail or slow, its notifications vanish, or "
                         "kill it at a phase, e.g. read_fail, write_fail, slow_ms=300, drop=done+release, "
-                        "delay_ms=500, step_ms=200, kill_at=registered|transfer|decode (kvhandoff/worker/faults.py)")
+                        "delay_ms=500, step_ms=200, verify_ms=1000, kill_at=registered|transfer|decode "
+                        "(kvhandoff/worker/faults.py)")
     g = p.add_argument_group("bidirectional multi-turn reuse (with the router's --bidirectional)")
     g.add_argument("--bidirectional", action="store_true",
                    help="decode: keep each finished turn's KV for the conversation's next turn; prefill: read "

@@ -16,6 +16,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -116,6 +117,36 @@ def test_lost_release_is_covered_by_the_lease(tmp_path, healthy, reference):
         settled(healthy["prefill"], decode)                  # the 2 s lease ran out instead
         metrics = httpx.get(f"{healthy['prefill'].url}/metrics", timeout=10).text
         assert 'kvhandoff_handoff_events_total{event="lease_expiries"}' in metrics
+    finally:
+        decode.stop()
+
+
+def test_a_request_cancelled_while_its_kv_is_checked_frees_its_blocks_at_once(tmp_path, healthy):
+    """Push: the Done is in and the KV being checked when the router gives up on the request. The
+    engine sets the blocks aside (a WRITE might still land) and the check then finds the handoff
+    ended; the Done it came with was the prefill's last word, so the blocks go back now, not at the
+    settle time (2 x --kv-timeout-s, 60 s here). A chaos soak in CI once ended with such blocks aside."""
+    decode = ServerProcess([*COMMON, "--role", "decode", "--inject-faults", "verify_ms=3000"], tmp_path / "decode.log")
+    try:
+        handoff_id = uuid.uuid4().hex
+        kv = {"handoff_id": handoff_id, "mode": "push", "protocol_version": PROTOCOL_VERSION}
+        with ThreadPoolExecutor(2) as pool:
+            d = pool.submit(httpx.post, f"{decode.url}/v1/completions", headers=HEADERS, timeout=60,
+                            json={**body(PROMPTS[2]), "kv_transfer_params": {**kv, "role": "decode",
+                                                                           "prefill_url": healthy["prefill"].url}})
+            r_prefill = httpx.post(f"{healthy['prefill'].url}/v1/completions", headers=HEADERS, timeout=60,
+                                   json={**body(PROMPTS[2]), "kv_transfer_params": {**kv, "role": "prefill",
+                                                                                  "decode_url": decode.url}})
+            # The prefill answers once its WRITE is done and its Done sent: the decode side is checking.
+            assert r_prefill.status_code == 200 and prefill_answer(r_prefill)[2] is None, r_prefill.text
+            cancelled = time.monotonic()
+            assert httpx.post(f"{decode.url}/kv/cancel", json={"handoff_id": handoff_id}, headers=HEADERS,
+                              timeout=10).status_code == 200
+            r_decode = d.result()
+        assert r_decode.status_code == 503 and "aborted (cancelled by the router" in r_decode.text, r_decode.text
+        h = wait_baseline(decode, timeout=20)
+        assert h["num_free_blocks"] == h["num_blocks"] and not h["num_quarantined"], h
+        assert time.monotonic() - cancelled < 20        # the 3 s check, not the 60 s settle time
     finally:
         decode.stop()
 

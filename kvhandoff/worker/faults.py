@@ -5,6 +5,8 @@ Enabled only by `kvhandoff serve --inject-faults SPEC`, never by default. SPEC i
 - `slow_ms=N`: every READ or WRITE this worker posts leaves N ms late, each on its own (a link's
   latency): transfers queued together are late together, not one after another.
 - `step_ms=N`: every engine step of this worker takes N ms longer (a slow or overloaded worker).
+- `verify_ms=N`: decode side: checking a handoff's arrived KV takes N ms longer (a big prompt's
+  checksums on a busy core), which widens the window in which the request can end meanwhile.
 - `engine_fail`: the engine loop raises at its first step, as a bug in the engine would: the worker
   fails what it had and stops itself with status 1 (so that a supervisor starts a fresh one).
 - `drop=KIND[+KIND]`: notifications of these kinds are not sent (done, failed, release, renew, cancel,
@@ -42,6 +44,7 @@ class Faults:
     write_fail: bool = False
     slow_ms: float = 0.0
     step_ms: float = 0.0
+    verify_ms: float = 0.0
     drop: set[str] = field(default_factory=set)
     delay_ms: float = 0.0
     kill_at: str | None = None
@@ -61,7 +64,7 @@ class Faults:
                 if not kinds <= set(KINDS):
                     raise ValueError(f"drop= takes {'+'.join(KINDS)}, not {value!r}")
                 faults.drop |= kinds
-            elif key in ("delay_ms", "slow_ms", "step_ms") and value:
+            elif key in ("delay_ms", "slow_ms", "step_ms", "verify_ms") and value:
                 setattr(faults, key, float(value))
             elif key == "kill_at" and value in KILL_PHASES:
                 faults.kill_at = value
@@ -72,7 +75,7 @@ class Faults:
     @property
     def any(self) -> bool:
         return (self.read_fail or self.write_fail or bool(self.drop) or self.delay_ms > 0 or self.slow_ms > 0
-                or self.step_ms > 0 or self.kill_at is not None or self.engine_fail)
+                or self.step_ms > 0 or self.verify_ms > 0 or self.kill_at is not None or self.engine_fail)
 
     def reached(self, phase: str, handoff_id: str, delay_s: float = 0.0) -> None:
         """A handoff of this worker reached `phase`: die here if told to."""

@@ -395,13 +395,14 @@ class PushDecode(DecodeSide):
         self.aio: asyncio.AbstractEventLoop | None = None
         self._to_register: list[tuple[Incoming, str, M.Registration]] = []   # engine thread
         self._prefill_peers: dict[str, str] = {}        # prefill URL -> its agent's peer name
-        rt.on(M.Done, Incoming, lambda peer, note, incoming: self._done(incoming, note))
+        rt.on(M.Done, Incoming, self._last_word(lambda note, incoming: self._done(incoming, note)))
         # (A cancelled handoff: the router gave up on the request, and tells us too; nothing to recompute.)
-        rt.on(M.Failed, Incoming, lambda peer, note, incoming: self.rt.fail(
-            incoming, f"prefill worker reported: {note.reason}", recompute=False if note.reason == CANCELLED else None))
+        rt.on(M.Failed, Incoming, self._last_word(lambda note, incoming: self.rt.fail(
+            incoming, f"prefill worker reported: {note.reason}",
+            recompute=False if note.reason == CANCELLED else None)))
         rt.on(M.Progress, Incoming, self._progress)
-        rt.on(M.Withdrawn, Incoming, lambda peer, note, incoming: self.rt.fail(
-            incoming, "the router moved the request to another decode worker (late binding)", recompute=False))
+        rt.on(M.Withdrawn, Incoming, self._last_word(lambda note, incoming: self.rt.fail(
+            incoming, "the router moved the request to another decode worker (late binding)", recompute=False)))
         rt.on(M.Withdrawn, None, self._late)
         # A Progress sent as the prompt completed may overtake its WRITE's Done or trail it: harmless.
         rt.on(M.Progress, None, lambda peer, note, entry: None)
@@ -484,6 +485,7 @@ class PushDecode(DecodeSide):
             # Moved away (late binding): the router has the request served elsewhere; nothing to recompute.
             self.rt.fail(incoming, f"prefill refused the registration: {error.get('message') or status}",
                          recompute=False if error.get("code") == MOVED else None)
+            self.rt.settle(incoming.request_id)     # refused: nothing will be written for it
         else:
             self.rt.cfg.faults.reached("registered", incoming.handoff_id)
 
@@ -501,6 +503,15 @@ class PushDecode(DecodeSide):
         incoming.deadline, incoming.settle_at = now + self.rt.cfg.kv_timeout_s, now + 2 * self.rt.cfg.kv_timeout_s
         if self.rt.table.get(incoming.handoff_id) is incoming:     # (given up meanwhile: no Renew)
             self.rt.notify(peer, M.Renew(handoff_id=note.handoff_id))
+
+    def _last_word(self, handle: Callable[[object, Incoming], object]) -> Callable[[str, object, Incoming], None]:
+        """Done, Failed and Withdrawn are the prefill's last word on a handoff: once one is handled,
+        no WRITE lands in its blocks any more. Blocks set aside meanwhile (the request ended while the
+        word was on its way, so `handle` found the handoff claimed) go back now, not at the settle time."""
+        def handler(peer: str, note, incoming: Incoming) -> None:
+            handle(note, incoming)
+            self.rt.settle(incoming.request_id)
+        return handler
 
     def _late(self, peer: str, note, entry) -> None:
         """Done, Failed or Withdrawn for a handoff we gave up on: its blocks were waiting for exactly this."""

@@ -434,6 +434,8 @@ class Runtime:
             self.fail(incoming, f"the prefill sent no valid first token ({incoming.first_token!r})")
             return
         started = time.monotonic()
+        if self.cfg.faults.verify_ms:
+            time.sleep(self.cfg.faults.verify_ms / 1000)
         got = block_checksums(self.kv, incoming.transferred_blocks)
         incoming.transfer_s += time.monotonic() - started       # verification is part of the transfer
         if got != incoming.checksums:
@@ -454,23 +456,34 @@ class Runtime:
         `recompute` says). `settled=False`: a transfer into its blocks may still be under way, so
         they stay aside until the settle time, a late Done/Failed, or the peer's death. False if
         another outcome had already claimed it."""
-        if self.table.claim(incoming.handoff_id, reason, incoming) is None:
+        settled = settled or incoming.reserved_at is None        # nothing reserved, nothing to set aside
+        recompute = self.cfg.recompute if recompute is None else recompute
+        # The engine's word goes out under the claim's lock: a settle that follows at once posts its
+        # release after it, not before the blocks are set aside.
+        if not self.claim(incoming, reason, set_aside=not settled,
+                          then=lambda: self.lost(incoming.request_id, recompute, reason, settled)):
             return False
         incoming.failure = reason
         self.counters.bump("failures")
-        settled = settled or incoming.reserved_at is None        # nothing reserved, nothing to set aside
-        recompute = self.cfg.recompute if recompute is None else recompute
         log.warning("handoff %s: %s (%s)", incoming.handoff_id, reason, "recompute" if recompute else "fail")
-        if not settled:
-            self.keep_aside(incoming)
-        self.lost(incoming.request_id, recompute, reason, settled)
         return True
 
-    def keep_aside(self, incoming: Incoming) -> None:
-        """The engine sets this request's reserved blocks aside (Hold.SET_ASIDE): free them once no
-        transfer can land in them any more (settle)."""
+    def claim(self, incoming: Incoming, reason: str, set_aside: bool, then: Callable[[], None] | None = None) -> bool:
+        """End the handoff (False if another outcome had claimed it), then run `then`. `set_aside`:
+        the engine keeps its reserved blocks aside (Hold.SET_ASIDE) until no transfer can land in them
+        any more (settle). Recorded under the same lock as the claim: the word that settles them (a
+        late Done, the end of our READ) finds the handoff claimed only once it can also find it set
+        aside; in between, a chaos soak saw the word go unheard and the blocks wait out the settle time."""
         with self._lock:
-            self.set_aside[incoming.request_id] = incoming
+            if self.table.claim(incoming.handoff_id, reason, incoming) is None:
+                return False
+            if set_aside:
+                if incoming.settle_at is None:      # a backstop: the transfer's own end settles it sooner
+                    incoming.settle_at = time.monotonic() + 2 * self.cfg.kv_timeout_s
+                self.set_aside[incoming.request_id] = incoming
+            if then is not None:
+                then()
+            return True
 
     def settle(self, request_id: str) -> bool:
         """No transfer can touch this request's set-aside blocks any more: free them."""
@@ -575,9 +588,9 @@ class DecodeSide(Side):
     def finished(self, incoming: Incoming, request, out: RequestOutput) -> bool:
         """Engine thread: annotate the final output with the handoff's report. A request that ended
         before its K/V landed (the client left) ends its handoff too."""
-        if self.rt.table.claim(incoming.handoff_id, f"the request ended ({out.finish_reason})", incoming):
-            if incoming.reserved_at is not None:
-                self.rt.keep_aside(incoming)     # the engine set its blocks aside: a transfer may be landing
+        # (A request that had reserved blocks had them set aside by the engine: a transfer may be landing.)
+        reserved = incoming.reserved_at is not None
+        if self.rt.claim(incoming, f"the request ended ({out.finish_reason})", set_aside=reserved):
             self.ended_early(incoming)
         out.handoff = self.report(incoming, out)
         if out.retained is not None and self.retention is not None:     # (a failed turn keeps the previous one)

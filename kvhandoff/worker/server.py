@@ -495,7 +495,8 @@ def engine_failure(final: RequestOutput) -> JSONResponse | None:
         log.error("request %s failed in the engine: %s", final.request_id, final.error)
         return JSONResponse(P.error_body(f"generation failed: {final.error}", "server_error"), status_code=500)
     if final.finish_reason == "abort":
-        return JSONResponse(P.error_body("the request was aborted (the server is shutting down); retry",
+        return JSONResponse(P.error_body("the request was aborted (cancelled by the router, or the server is "
+                                         "shutting down); retry",
                                          "service_unavailable"), status_code=503)
     return None
 
