@@ -106,12 +106,13 @@ def staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 def test_a_sequences_tokens_do_not_depend_on_what_shares_its_steps(prompts, dtype):
     """Batch invariance of decode (issue 25), in both dtypes: each prompt alone, and the prompts
     arriving one step apart (decode batches of every size, a prefill beside decode rows), give the
-    same greedy tokens. (In bf16 on torch's paths, 4 of 15 streams once differed; decode rows now go
-    through the kernels, apart from the prefill rows beside them.) A prompt's prefill itself runs on
-    torch's bf16 matmuls, whose rows depend on how many share them: not covered here."""
+    same greedy tokens, and so do all of them at once (their prompts in one step). (In bf16 on torch's
+    paths, 4 of 15 streams once differed: decode rows and, where the model allows, prompt rows now go
+    through the kernels one row at a time; test_kernels.py checks a token's logits bit for bit.)"""
     engine = LLMEngine(EngineConfig(model="tiny", dtype=dtype, enable_prefix_caching=False))
     alone = [engine.generate([p], GREEDY)[0] for p in prompts]
     assert staggered(engine, prompts, GREEDY) == alone
+    assert engine.generate(prompts, GREEDY) == alone
     assert engine.num_free_blocks == engine.num_blocks
 
 

@@ -235,6 +235,50 @@ def test_a_bf16_fused_decode_step_gives_the_reference_logits(bias):
     assert (got - exact).abs().max() < (decode_step_logits(plain, prompts, 16).float() - exact).abs().max()
 
 
+def last_token_logits(model: LlamaModel, prompt: list[int], chunks: list[int], beside: list[int] | None = None,
+                      block_size: int = 16) -> torch.Tensor:
+    """`prompt` computed in steps of `chunks` tokens (a step of one token is a decode row), with
+    `beside` prefilled in the first step too: the logits of the prompt's last token."""
+    need = -(-len(prompt) // block_size)
+    runner = ModelRunner(model, 2 * need + 8, block_size)
+    request = Request("a", prompt, SamplingParams(max_tokens=2))
+    request.block_table = list(range(need))
+    step = []
+    if beside is not None:
+        other = Request("b", beside, SamplingParams(max_tokens=2))
+        other.block_table = list(range(need, need + -(-len(beside) // block_size)))
+        step = [ScheduledChunk(other, len(beside))]
+    for n in chunks:
+        logits = runner.run([ScheduledChunk(request, n)] + step)
+        request.num_computed_tokens += n
+        step = []
+    return logits[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_logits_do_not_depend_on_how_its_prompt_was_computed(dtype):
+    """Row-wise prefill (issue 25): a prompt token goes through the decode kernels as a row whose
+    context ends at its own position, so its logits are bit for bit the same prefilled whole, in
+    chunks, beside another prompt, or decoded on its own (a preempted request recomputes as a prefill
+    what it had decoded). Torch's bf16 prefill, with bf16 activations between ops, gave other bits."""
+    cfg = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=6,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(6)
+    model = LlamaModel(cfg).eval().to(dtype)
+    model.use_cpu_kernels()
+    if dtype == torch.bfloat16 and not kernels.native_bf16(cfg.hidden_size):
+        pytest.skip("no bf16 dot products on this CPU: bf16 prompts stay on torch (the widening kernels are slower)")
+    assert model.row_wise_prefill
+    g = torch.Generator().manual_seed(6)
+    prompt, other = (torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (70, 45))
+    whole = last_token_logits(model, prompt, [70])
+    assert torch.equal(whole, last_token_logits(model, prompt, [23, 30, 17]))
+    assert torch.equal(whole, last_token_logits(model, prompt, [70], beside=other))
+    assert torch.equal(whole, last_token_logits(model, prompt, [69, 1]))
+    assert torch.equal(whole, last_token_logits(model, prompt, [40, 1, 1, 28]))
+
+
 def test_without_gcc_the_engine_falls_back_to_torch(tmp_path):
     """No compiler on PATH: the engine says so and serves the same greedy tokens through torch."""
     script = (
@@ -253,4 +297,4 @@ def test_without_gcc_the_engine_falls_back_to_torch(tmp_path):
     env["PATH"] = os.environ["PATH"]
     with_kernels = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert with_kernels.returncode == 0, with_kernels.stderr[-2000:]
-    assert with_kernels.stdout.strip().splitlines()[-2:] == [f"{kernels.status()}: fp32", tokens]
+    assert with_kernels.stdout.strip().splitlines()[-2:] == [f"{kernels.status()}: fp32, prompts row by row like decode rows", tokens]

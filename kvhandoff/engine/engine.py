@@ -117,8 +117,10 @@ class LLMEngine:
                 not kernels.bf16_supported(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size):
             return "off (bf16: a layer's width is not a multiple of 8)"
         if kernels.available():
-            self.loaded.model.use_cpu_kernels()
-            return f"{kernels.status()}: " + ("bf16 decode, prefill on torch" if self.dtype == torch.bfloat16 else "fp32")
+            model = self.loaded.model
+            model.use_cpu_kernels()
+            prompts = "prompts row by row like decode rows" if model.row_wise_prefill else "prompts on torch"
+            return f"{kernels.status()}: {'bf16' if self.dtype == torch.bfloat16 else 'fp32'}, {prompts}"
         return kernels.status()
 
     def connect(self, connector: KVConnector) -> None:

@@ -223,6 +223,9 @@ TILE4(1) TILE4(2) TILE4(3) TILE4(4)
 typedef void (*tile4_t)(const bf16*, long, const bf16*, long, float*, long, const char*);
 static const tile4_t TILES4[5] = {0, tile4_1, tile4_2, tile4_3, tile4_4};
 
+#ifndef M_BLOCK_BYTES
+#define M_BLOCK_BYTES (128 * 1024)
+#endif
 /* y = xb @ W^T: xb [M][K] bf16 (contiguous), W [N][K] bf16 (row stride ldw), K % 32 == 0 */
 static void gemm_native_bf16(const bf16* xb, long M, long K, const bf16* w, long N, long ldw, float* y, long ldy,
                              int num_threads) {
@@ -236,16 +239,23 @@ static void gemm_native_bf16(const bf16* xb, long M, long K, const bf16* w, long
     return;
   }
   long tiles = (N + 3) / 4;
-  #pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (long t = 0; t < tiles; t++) {
-    long n0 = 4 * t, nr = N - n0 < 4 ? N - n0 : 4;
-    for (long m0 = 0; m0 < M; m0 += 4) {
-      long mr = M - m0 < 4 ? M - m0 : 4;
-      if (nr < 4)       /* the last weight rows: one input row at a time (the same sums) */
-        for (long i = m0; i < m0 + mr; i++) TILES_STREAMS[1](xb + i * K, K, w + n0 * ldw, ldw, nr, y + i * ldy + n0, ldy, 1);
-      else
-        TILES4[mr](xb + m0 * K, K, w + n0 * ldw, ldw, y + m0 * ldy + n0, ldy,
-                   m0 == 0 && n0 + 8 <= N ? (const char*)(w + (n0 + 4) * ldw) : 0);
+  /* Many rows (a prompt's): MB rows at a time, so that their inputs stay in L2 while every weight
+     tile passes over them (each row's sums are the same whichever block it is in). */
+  long MB = M_BLOCK_BYTES / (K * (long)sizeof(bf16));
+  MB = MB < 4 ? 4 : MB - MB % 4;
+  for (long mb = 0; mb < M; mb += MB) {
+    long me = mb + MB < M ? mb + MB : M;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (long t = 0; t < tiles; t++) {
+      long n0 = 4 * t, nr = N - n0 < 4 ? N - n0 : 4;
+      for (long m0 = mb; m0 < me; m0 += 4) {
+        long mr = me - m0 < 4 ? me - m0 : 4;
+        if (nr < 4)       /* the last weight rows: one input row at a time (the same sums) */
+          for (long i = m0; i < m0 + mr; i++) TILES_STREAMS[1](xb + i * K, K, w + n0 * ldw, ldw, nr, y + i * ldy + n0, ldy, 1);
+        else
+          TILES4[mr](xb + m0 * K, K, w + n0 * ldw, ldw, y + m0 * ldy + n0, ldy,
+                     m0 == mb && n0 + 8 <= N ? (const char*)(w + (n0 + 4) * ldw) : 0);
+      }
     }
   }
 }
@@ -615,8 +625,13 @@ void paged_attention(const float* q, float* out, long rows, long heads, long kv_
    step of a 30-layer model runs about forty of them per layer ------------------------------------ */
 
 /* out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps); with delta, first x[r] += delta[r] (residual). */
-void rms_norm(float* x, const float* delta, long rows, long dim, long ldx, long ld_delta, const float* weight,
-              float eps, float* out) {
+/* Row loops of decode_layer share threads only for a prompt's many rows: at a decode step's few,
+   starting them costs more than the loop. */
+#define PAR_ROWS 32
+
+static void rms_norm_rows(float* x, const float* delta, long rows, long dim, long ldx, long ld_delta,
+                          const float* weight, float eps, float* out, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads) if(rows >= PAR_ROWS)
   for (long r = 0; r < rows; r++) {
     float* xr = x + r * ldx;
     float* o = out + r * dim;
@@ -630,13 +645,20 @@ void rms_norm(float* x, const float* delta, long rows, long dim, long ldx, long 
   }
 }
 
+void rms_norm(float* x, const float* delta, long rows, long dim, long ldx, long ld_delta, const float* weight,
+              float eps, float* out) {
+  rms_norm_rows(x, delta, rows, dim, ldx, ld_delta, weight, eps, out, 1);
+}
+
 /* Rotate-half RoPE on every q and k head of each row of qkv ([T][q heads | kv heads | kv heads] x D,
    row stride ld) in place, with row t's angles in cos_rows/sin_rows [T][D/2]; then store each row's
    K and V at (slot_block, slot_offset) of the pool. */
 static void rope_store(float* qkv, long T, long ld, long heads, long kv_heads, long D, const float* cos_rows,
                        const float* sin_rows, char* k_base, char* v_base, long item,
-                       long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset) {
+                       long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset,
+                       int threads) {
   long half = D / 2;
+  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long t = 0; t < T; t++) {
     float* row = qkv + t * ld;
     const float* c = cos_rows + t * half;
@@ -669,7 +691,7 @@ void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long 
                    const float* sin_rows, float* k_base, float* v_base,
                    long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset) {
   rope_store(qkv, T, ld, heads, kv_heads, D, cos_rows, sin_rows, (char*)k_base, (char*)v_base, sizeof(float),
-             block_stride, block_size, slot_block, slot_offset);
+             block_stride, block_size, slot_block, slot_offset, 1);
 }
 
 /* ---- one decoder layer for a batch of decode rows (one new token per sequence), in one call ----
@@ -715,17 +737,19 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
   float *h = scratch, *qkv = h + T * H, *att = qkv + T * L->qkv.cols, *o = att + T * q_size;
   float *gu = o + T * L->o.cols, *act = gu + T * L->gate_up.cols, *down = act + T * I;
 
-  rms_norm(x, 0, T, H, H, 0, L->norm1, L->eps1, h);
+  rms_norm_rows(x, 0, T, H, H, 0, L->norm1, L->eps1, h, threads);
   linear(h, T, H, H, &L->qkv, qkv, threads);
   rope_store(qkv, T, L->qkv.cols, L->heads, L->kv_heads, D, B->cos_rows, B->sin_rows, L->k_base, L->v_base,
-             L->kv_item, L->block_stride, L->block_size, B->slot_block, B->slot_offset);
+             L->kv_item, L->block_stride, L->block_size, B->slot_block, B->slot_offset, threads);
+  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long r = 0; r < T; r++)
     for (long i = 0; i < q_size; i++) qkv[r * L->qkv.cols + i] *= B->scale;
   attention(qkv, L->qkv.cols, att, q_size, T, L->heads, L->kv_heads, D, L->k_base, L->v_base, L->kv_item,
             L->block_stride, L->block_size, B->block_tables, B->max_blocks, 0, B->lens, threads);
   linear(att, T, q_size, q_size, &L->o, o, threads);
-  rms_norm(x, o, T, H, H, L->o.cols, L->norm2, L->eps2, h);          /* x += o, h = norm(x) */
+  rms_norm_rows(x, o, T, H, H, L->o.cols, L->norm2, L->eps2, h, threads);     /* x += o, h = norm(x) */
   linear(h, T, H, H, &L->gate_up, gu, threads);
+  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long r = 0; r < T; r++) {
     const float *g = gu + r * L->gate_up.cols, *u = g + I;
     long i = 0;
@@ -733,6 +757,7 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
     for (; i < I; i++) act[r * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
   }
   linear(act, T, I, I, &L->down, down, threads);
+  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long r = 0; r < T; r++)
     for (long i = 0; i < H; i++) x[r * H + i] += down[r * L->down.cols + i];
 }

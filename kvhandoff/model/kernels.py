@@ -9,10 +9,12 @@ gcc, and compiles in about a second, so it is built on first use into the build 
 of its source, the compiler and this CPU's flags (-march=native), and shared by every process.
 
 In fp32 every linear layer is re-laid for gemm_packed (prefill too). In bf16 (issue 25) the weights
-keep torch's layout and prefill stays on torch's bf16 matmuls (oneDNN's, with the CPU's native bf16
-dot products where it has them); decode-only work (FusedDecode over the decode rows, and the logits)
-reads those same bf16 weights through gemv_bf16 and a bf16 K/V pool, with fp32 activations (each
-matmul's input rounded to bf16 where the CPU's bf16 dot products serve, as torch's would round it).
+keep torch's layout; FusedDecode and the logits read those same bf16 weights through gemv_bf16 and a
+bf16 K/V pool, with fp32 activations (each matmul's input rounded to bf16 where the CPU's bf16 dot
+products serve, as torch's would round it). In both dtypes a prompt's rows go through FusedDecode
+too, each as a decode row whose context ends at its own token (llama.LlamaModel.row_wise_prefill):
+one function computes every token, whatever its step holds (batch invariance). In bf16 that needs
+the CPU's bf16 dot products; without them prompts stay on torch's bf16 matmuls.
 
 When anything is missing (no gcc, no AVX2/FMA, a failed build, a model shape the kernels don't cover,
 fp16, a GPU) the engine runs the torch paths of kvhandoff.model.llama, which stay the reference the

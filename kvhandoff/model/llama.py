@@ -245,6 +245,31 @@ class Attention(nn.Module):
         return out.transpose(0, 1).reshape(B, self.num_heads, D)
 
 
+# Prompt rows through the decode kernels where the model allows it (LlamaModel.row_wise_prefill);
+# a switch so that benchmarks can A/B it against torch's prefill (kvhandoff.bench.prefill_paths).
+ROW_WISE_PREFILL = True
+
+
+def _as_decode_rows(meta: BatchMetadata) -> BatchMetadata:
+    """The same batch with every prefill row as a decode row: its sequence's blocks, and a context
+    that ends at its own token (the chunk's K/V is in the pool before any row attends)."""
+    decode_rows = 0 if meta.decode_context_lens is None else meta.decode_context_lens.numel()
+    width = max([seq.block_table.numel() for seq in meta.prefills]
+                + [meta.decode_block_ids.numel() // decode_rows if decode_rows else 0])
+    block_ids = torch.zeros(meta.num_prefill_tokens + decode_rows, width, dtype=torch.long)
+    lens = []
+    for seq in meta.prefills:
+        n = seq.end - seq.start
+        block_ids[seq.start:seq.end, :seq.block_table.numel()] = seq.block_table
+        lens.append(torch.arange(seq.context_len - n + 1, seq.context_len + 1))
+    if decode_rows:
+        decode = meta.decode_block_ids.view(decode_rows, -1)
+        block_ids[meta.num_prefill_tokens:, :decode.shape[1]] = decode
+        lens.append(meta.decode_context_lens)
+    return BatchMetadata(meta.slot_block, meta.slot_offset, decode_block_ids=block_ids.view(-1),
+                         decode_context_lens=torch.cat(lens).long())
+
+
 # bf16 prefill attention by blocks of queries (Attention._prefill_blocked): 64 and 128 measured fastest
 # at SmolLM2's shapes, 256 slower than flash. A switch so that benchmarks can A/B the two paths.
 QUERY_BLOCK = 64
@@ -327,18 +352,27 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_head: kernels.PackedLinear | None = None       # set by use_cpu_kernels
         self.fused_decode: kernels.FusedDecode | None = None        # every step's decode rows (use_cpu_kernels)
+        self.row_wise_prefill = False       # prompt rows through fused_decode too (use_cpu_kernels)
 
     def use_cpu_kernels(self) -> None:
         """Serve through kernels.py. fp32: every linear layer's weight re-laid once for gemm_packed (the
         original dropped, so memory stays one copy; a tied embedding is looked up from the packed
         output matrix), decode attention reading the pool in place. bf16: the weights stay as they
-        are (prefill on torch's bf16 matmuls), decode rows and their logits through the kernels,
-        which read the same bf16 weights. Serving only: the HF state-dict methods need the plain
-        layout."""
+        are, decode rows and their logits through the kernels, which read the same bf16 weights.
+        Prompt rows too, as decode rows whose context ends at their own token (row_wise_prefill;
+        in bf16 only where the CPU has bf16 dot products), so that every token is computed by one
+        function: its logits and K/V do not depend on what shares its step, how its prompt was
+        chunked, or a recompute after a preemption. Serving only: the HF state-dict methods need the
+        plain layout."""
         dtype = next(self.parameters()).dtype
         assert kernels.available() and dtype in (torch.float32, torch.bfloat16)
-        if dtype == torch.bfloat16:     # (the weights as they are: prefill keeps torch's bf16 matmuls)
+        if dtype == torch.bfloat16:     # (the weights as they are, read in place)
             self.fused_decode = self._fused_decode()
+            # Without bf16 dot products gemv_bf16 widens the weights for every 4 rows: far slower
+            # than torch's bf16 matmuls at a prompt's row count.
+            cfg = self.cfg
+            self.row_wise_prefill = self.fused_decode is not None and all(kernels.native_bf16(width) for width in (
+                cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size))
             return
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -348,6 +382,7 @@ class LlamaModel(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_head = kernels.PackedLinear(head.detach(), None)
         self.fused_decode = self._fused_decode()
+        self.row_wise_prefill = self.fused_decode is not None
         if self.lm_head is None:
             self.embed_tokens = None
         self.lm_head = None
@@ -378,6 +413,10 @@ class LlamaModel(nn.Module):
         handoff sends them while later layers compute)."""
         x = self.embed(input_ids)
         P = meta.num_prefill_tokens
+        if ROW_WISE_PREFILL and P and self.row_wise_prefill and \
+                kernels.attention_supported(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, kv_cache.shape[4]):
+            # Prompt rows as decode rows: every token computed by one function (batch-invariant).
+            return self.norm(self._decode_rows(x, positions, _as_decode_rows(meta), kv_cache, on_layer))
         if self.fused_decode is not None and x.shape[0] > P and \
                 kernels.attention_supported(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, kv_cache.shape[4]):
             # Decode rows always through the kernels, apart from any prefill rows beside them: a
