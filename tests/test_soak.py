@@ -24,5 +24,6 @@ def test_a_short_chaos_soak_loses_nothing_and_recovers_every_worker(tmp_path):
     assert len(chaos["kills"]) >= 2, (chaos, output)
     assert all(kill["recovered_s"] is not None for kill in chaos["kills"]), chaos
     assert result["outcomes"].get("ok", 0) >= 20, result["outcomes"]
-    assert result["tokens_checked"], "float32 is batch-invariant: every prompt's answers must have been compared"
+    assert result["tokens_checked"], ("float32 is batch-invariant: every prompt's answers must have been compared",
+                                      output)
     assert not result["unexpected"] and not result["leaks"] and result["serving_at_end"] == "ok", output

@@ -258,6 +258,16 @@ class Soak:
         """The router's /health report of every worker (httpx.HTTPError if the router does not answer)."""
         return (await client.get(self.url + "/health")).json().get("workers", [])
 
+    async def worker_dtypes(self, client: httpx.AsyncClient, wait_s: float = 30.0) -> set[str | None]:
+        """Every worker's dtype, once each has answered a health check: on a loaded machine one may miss the
+        router's check (its report then has no dtype), which must not turn the answers' comparison off."""
+        give_up = time.monotonic() + wait_s
+        while True:
+            dtypes = {w.get("dtype") for w in await self.workers(client)}
+            if None not in dtypes or time.monotonic() >= give_up:
+                return dtypes
+            await asyncio.sleep(0.5)
+
     async def client_loop(self, client: httpx.AsyncClient, until: float) -> None:
         while time.monotonic() < until:
             kind = self.rng.choices(KINDS, WEIGHTS)[0]
@@ -290,7 +300,7 @@ class Soak:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0)) as client, \
                 open_session(120.0) as self.streams:
             self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
-            dtypes = {w.get("dtype") for w in await self.workers(client)}
+            dtypes = await self.worker_dtypes(client)
             # fp32 is batch-invariant (the compiled kernels reduce each row in one order); bf16 is not yet
             # (issue 25): a greedy answer there may change with what shares its steps, wrongly or not.
             self.check_tokens = dtypes == {"float32"}
