@@ -95,6 +95,8 @@ def test_models_and_health(client, tiny_server, model):
     assert h["status"] == "ok" and h["num_blocks"] == 512 and h["num_free_blocks"] == 512
     # What the worker computes with, as chosen for this machine (issue 12).
     assert h["device"] == "cpu" and h["dtype"] in ("float32", "bfloat16") and h["kernels"].startswith(("on", "off"))
+    # Prompts row by row like decode rows (issue 25) is what makes a token's logits batch-invariant.
+    assert h["batch_invariant"] == ("prompts row by row" in h["kernels"]), h
     # --dtype auto, and why it chose; the threads the engine computes with (ServerProcess asks for one)
     assert h["dtype_reason"].startswith("auto: ") and h["threads"] == 1, h
 

@@ -18,10 +18,11 @@ process at the first sample after warm-up and at the end (the drift) and its hig
 after the drain. Exit status 1 if any unexpected outcome or leak was seen.
 
 Streamed completions draw from a fixed set of prompts (greedy, exactly `max_tokens` each). One that
-ends without an error but short of its tokens is `unexpected_short`. Where the workers run float32
-(`--dtype float32`; batch-invariant), the first answer to each prompt is its reference and a later one
-that differs is `unexpected_wrong_tokens`; in bfloat16 a greedy answer can change with what shares its
-decode steps (issue 25), so answers are not compared there.
+ends without an error but short of its tokens is `unexpected_short`. Where every worker is
+batch-invariant (its /health says `batch_invariant`: fp32 on the compiled kernels, and bf16 where the
+CPU has bf16 dot products), the first answer to each prompt is its reference and a later one that
+differs is `unexpected_wrong_tokens`; elsewhere a greedy answer can change with what shares its steps,
+so answers are not compared.
 
 Chaos (`--kill-every-s S`): every S seconds a random worker is SIGKILLed, chosen among the healthy ones
 whose role has another healthy worker (a kill never leaves a role empty; a tick with no such worker is
@@ -258,14 +259,14 @@ class Soak:
         """The router's /health report of every worker (httpx.HTTPError if the router does not answer)."""
         return (await client.get(self.url + "/health")).json().get("workers", [])
 
-    async def worker_dtypes(self, client: httpx.AsyncClient, wait_s: float = 30.0) -> set[str | None]:
-        """Every worker's dtype, once each has answered a health check: on a loaded machine one may miss the
-        router's check (its report then has no dtype), which must not turn the answers' comparison off."""
+    async def batch_invariance(self, client: httpx.AsyncClient, wait_s: float = 30.0) -> set[bool | None]:
+        """Every worker's `batch_invariant`, once each has answered a health check: on a loaded machine one
+        may miss the router's check (its report then says nothing), which must not turn the comparison off."""
         give_up = time.monotonic() + wait_s
         while True:
-            dtypes = {w.get("dtype") for w in await self.workers(client)}
-            if None not in dtypes or time.monotonic() >= give_up:
-                return dtypes
+            invariant = {w.get("batch_invariant") for w in await self.workers(client)}
+            if None not in invariant or time.monotonic() >= give_up:
+                return invariant
             await asyncio.sleep(0.5)
 
     async def client_loop(self, client: httpx.AsyncClient, until: float) -> None:
@@ -300,13 +301,11 @@ class Soak:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0)) as client, \
                 open_session(120.0) as self.streams:
             self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
-            dtypes = await self.worker_dtypes(client)
-            # fp32 is batch-invariant (the compiled kernels reduce each row in one order); bf16 is not yet
-            # (issue 25): a greedy answer there may change with what shares its steps, wrongly or not.
-            self.check_tokens = dtypes == {"float32"}
+            invariant = await self.batch_invariance(client)
+            self.check_tokens = invariant == {True}
             if not self.check_tokens:
-                log(f"soak: the workers run {sorted(map(str, dtypes))}, not batch-invariant: answers are not compared "
-                    "with each other (--dtype float32 compares them)")
+                log(f"soak: batch-invariant workers: {sorted(map(str, invariant))} (/health): a greedy answer may "
+                    "change with what shares its steps, so answers are not compared with each other")
             chaos = [self.chaos(client, until, started)] if self.args.kill_every_s else []
             await asyncio.gather(self.sampler(client, until, started), *chaos,
                                  *(self.client_loop(client, until) for _ in range(self.args.concurrency)))
@@ -365,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-s", type=float, default=15.0)
     p.add_argument("--warmup-s", type=float, default=60.0, help="RSS drift is measured from the first sample after this")
     p.add_argument("--num-blocks", type=int, default=512)
-    p.add_argument("--dtype", default="auto", help="the workers' --dtype; answers are compared with each other only "
-                   "in float32, the batch-invariant one (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="the workers' --dtype; answers are compared with each other where "
+                   "every worker is batch-invariant (/health; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill-every-s", type=float, default=0.0,
                    help="chaos: SIGKILL a random worker this often (never the last healthy one of its role); 0: never")

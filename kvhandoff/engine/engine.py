@@ -71,6 +71,9 @@ class LLMEngine:
         model_len = cfg.max_model_len or None
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, max_positions=model_len)
         self.kernels = self._use_kernels()
+        # Greedy output the same whatever shares a step, however a prompt is chunked (or recomputed):
+        # what lets disaggregated output equal colocated's under any load.
+        self.batch_invariant = self.loaded.model.batch_invariant(cfg.block_size)
         self.tokenizer = self.loaded.tokenizer
         self.served_name = self.loaded.served_name
         self.model_config = self.loaded.config
@@ -95,15 +98,16 @@ class LLMEngine:
         self.forward_s = 0.0
         # Told when retained KV is evicted because a request needed the blocks.
         self.on_evict: Callable[[str], None] | None = None
-        log.info("engine ready: model=%s device=%s dtype=%s (%s) threads=%d kernels=%s blocks=%d x %d tokens "
-                 "(%.1f MiB KV)", self.served_name, self.device, str(self.dtype).removeprefix("torch."),
-                 self.dtype_reason, self.threads, self.kernels, num_blocks, cfg.block_size,
+        log.info("engine ready: model=%s device=%s dtype=%s (%s) threads=%d kernels=%s batch-invariant=%s blocks=%d x "
+                 "%d tokens (%.1f MiB KV)", self.served_name, self.device, str(self.dtype).removeprefix("torch."),
+                 self.dtype_reason, self.threads, self.kernels, self.batch_invariant, num_blocks, cfg.block_size,
                  num_blocks * self.block_bytes / 2**20)
 
     def compute_facts(self) -> dict:
         """What this engine computes with, as chosen for this machine (reported by /health and benchmarks)."""
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "dtype_reason": self.dtype_reason, "threads": self.threads, "kernels": self.kernels}
+                "dtype_reason": self.dtype_reason, "threads": self.threads, "kernels": self.kernels,
+                "batch_invariant": self.batch_invariant}
 
     def _use_kernels(self) -> str:
         """Switch the model to the compiled CPU kernels where they apply; say which path serves."""

@@ -387,6 +387,12 @@ class LlamaModel(nn.Module):
             self.embed_tokens = None
         self.lm_head = None
 
+    def batch_invariant(self, block_size: int) -> bool:
+        """Is every token computed by one function (prompt rows as decode rows, through the kernels),
+        so that its logits do not depend on what shares its step or how its prompt was chunked?"""
+        return ROW_WISE_PREFILL and self.row_wise_prefill and kernels.attention_supported(
+            self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, block_size)
+
     def _fused_decode(self) -> kernels.FusedDecode | None:
         cfg = self.cfg
         if cfg.qk_norm:             # (q/k norms would need their own pass in decode_layer)
@@ -413,8 +419,7 @@ class LlamaModel(nn.Module):
         handoff sends them while later layers compute)."""
         x = self.embed(input_ids)
         P = meta.num_prefill_tokens
-        if ROW_WISE_PREFILL and P and self.row_wise_prefill and \
-                kernels.attention_supported(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, kv_cache.shape[4]):
+        if P and self.batch_invariant(kv_cache.shape[4]):
             # Prompt rows as decode rows: every token computed by one function (batch-invariant).
             return self.norm(self._decode_rows(x, positions, _as_decode_rows(meta), kv_cache, on_layer))
         if self.fused_decode is not None and x.shape[0] > P and \
