@@ -123,7 +123,8 @@ class LLMEngine:
         if kernels.available():
             model = self.loaded.model
             model.use_cpu_kernels()
-            prompts = "prompts row by row like decode rows" if model.row_wise_prefill else "prompts on torch"
+            prompts = "prompts row by row like decode rows" if model.batch_invariant(self.cfg.block_size) \
+                else "prompts on torch"
             return f"{kernels.status()}: {'bf16' if self.dtype == torch.bfloat16 else 'fp32'}, {prompts}"
         return kernels.status()
 

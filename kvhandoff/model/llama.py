@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -246,8 +247,9 @@ class Attention(nn.Module):
 
 
 # Prompt rows through the decode kernels where the model allows it (LlamaModel.row_wise_prefill);
-# a switch so that benchmarks can A/B it against torch's prefill (kvhandoff.bench.prefill_paths).
-ROW_WISE_PREFILL = True
+# a switch so that benchmarks can A/B it against torch's prefill (kvhandoff.bench.prefill_paths, and
+# KVHANDOFF_ROW_WISE_PREFILL=0 for a whole stack's processes, e.g. under `kvhandoff bench --launch`).
+ROW_WISE_PREFILL = os.environ.get("KVHANDOFF_ROW_WISE_PREFILL", "1") != "0"
 
 
 def _as_decode_rows(meta: BatchMetadata) -> BatchMetadata:
