@@ -197,12 +197,14 @@ def test_a_fused_decode_step_gives_the_plain_models_logits(bias):
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 16])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (41, 136), (8, 1536)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 16, 130])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (41, 136), (8, 1536), (41, 576)])
 def test_gemv_bf16_equals_f_linear_and_each_row_is_batch_invariant(rows, out_features, in_features):
-    """gemv_bf16 reads torch's bf16 weight in place and sums in fp32: F.linear over the same (bf16)
-    weights in fp32, to fp32 rounding (of x rounded to bf16 where the CPU's bf16 dot products serve);
-    a row's result is bit-for-bit the same whatever else is in the batch."""
+    """A bf16 linear (gemm_bf16_vnni on packed weights with the CPU's bf16 dot products, else gemv_bf16
+    widening torch's layout) sums in fp32: F.linear over the same (bf16) weights in fp32, to fp32
+    rounding (of x rounded to bf16 where the dot products serve); a row's result is bit-for-bit the
+    same whatever else is in the batch (130 rows: more than one block of rows; 41 outputs: a panel
+    partly padding)."""
     g = torch.Generator().manual_seed(rows * 11 + out_features)
     weight = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g)
@@ -211,6 +213,21 @@ def test_gemv_bf16_equals_f_linear_and_each_row_is_batch_invariant(rows, out_fea
     torch.testing.assert_close(y, F.linear(seen, weight.float()), rtol=1e-5, atol=1e-4)
     alone = [kernels.linear_bf16(x[i:i + 1], weight) for i in range(rows)]
     assert torch.equal(y, torch.cat(alone)) if rows else y.shape == (0, out_features)   # (a step sampling nothing)
+
+
+def test_a_bf16_linear_row_does_not_depend_on_the_thread_count():
+    """Workers of one fleet may run different thread counts: a row's sums must not change with them."""
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(300, 576, generator=g).bfloat16(), torch.randn(7, 576, generator=g)
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(kernels.linear_bf16(x, weight))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(results[0], other) for other in results[1:])
 
 
 @pytest.mark.parametrize("bias", [False, True])

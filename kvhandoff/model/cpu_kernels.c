@@ -22,6 +22,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <math.h>
 #include <immintrin.h>
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -112,22 +113,23 @@ typedef void (*dot8_t)(long, const float*, long, const bf16*, float*, long);
 static const dot8_t DOTS8[5] = {0, dot8_1, dot8_2, dot8_3, dot8_4};
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-/* Native bf16 dot products (AVX512-BF16): x rounded to bf16 once per call (round to nearest even, as
-   torch's bf16 matmuls round their inputs), 32 products a vdpbf16ps, summed in fp32.
-   Every output (m, n) has two accumulators (k = 0, 64, ... and k = 32, 96, ...), added, and their
-   16 lanes summed by reduce16's tree: the same sums in the same order whatever M and whichever tile
-   computes it (batch-invariant). Two tiles:
-   - fewer than 4 input rows (bound by the weights' bytes): 4 weight rows a quarter of the matrix
-     apart at once (tile_streams);
-   - 4 input rows or more: 4 x 4 tiles (4 rows x 2 weight rows x 2 accumulators at a time: ~0.75
-     loads per dot product), the next tile's weights prefetched into L2 meanwhile.
-   SmolLM2's 30 layers, one thread, Zen 4, A/B in one process against one weight row at a time (a
-   2-accumulator dot product per output, 4 input rows per pass): 16 rows 26.4 against 46.3 ms, 4 rows
-   12.1 against 17.3, 1 row 10.0 against 10.3 (the head alone: 2.2 against 2.1). */
+/* Native bf16 dot products (AVX512-BF16) on weights packed once at load (pack_bf16_vnni): panels of
+   16 outputs, each [K/2][16][2], so that one 64-byte load holds a pair of k for 16 outputs and one
+   vdpbf16ps adds x[m][2p] w[n][2p] + x[m][2p+1] w[n][2p+1] to 16 outputs' sums at once: no
+   horizontal sums (the torch layout's tiles spent ~15% of a 576-wide tile summing lanes), 0.5 loads
+   per dot product in a 4 x 4 tile. x is rounded to bf16 once per call (round to nearest even, as
+   torch's bf16 matmuls round their inputs). Each output is one chain of dot products in order of k,
+   whatever the tile (rows x panels) computing it: a row's results are the same to the bit in any
+   batch (batch-invariant). SmolLM2's 30 layers' linears, one thread, Zen 4 with AVX512-BF16, in one
+   process alternated against the torch-layout tiles this replaced (2026-12-04): 1 row 9.5 against
+   9.4 ms, 16 rows 22.5 against 24.5, 64 rows 71 against 89, 256 rows 286 against 345 (~100 GMAC/s
+   against ~82; torch's oneDNN ran ~99 at the prefill's shapes). Tried and dropped first: keeping
+   torch's layout with all 16 outputs of a 4 x 4 tile in registers, even then odd steps of k (the
+   old sums to the bit): 1.5x slower at 16-256 rows. */
 #define NATIVE_BF16 1
 
 /* lane i = the sum of a[i]'s 16 lanes, by one tree for every lane: ((l0+l2)+(l1+l3)) within each
-   128-bit quarter, then (q0+q1)+(q2+q3) */
+   128-bit quarter, then (q0+q1)+(q2+q3) (the attention's scores, 16 tokens at a time) */
 static inline __m512 reduce16(const __m512* a) {
   __m512 s1[8], s2[4], s3[2];
   for (int i = 0; i < 8; i++)
@@ -141,128 +143,94 @@ static inline __m512 reduce16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xdd));
 }
 
-/* acc[4 j + i]: input row i (< mr) against weight row j (< nr) -> y[i * ldy + j * col] */
-static inline void store_tile(const __m512* acc, long mr, long nr, float* y, long ldy, long col) {
-  float r[16] __attribute__((aligned(64)));
-  _mm512_store_ps(r, reduce16(acc));
-  for (long i = 0; i < mr; i++)
-    for (long j = 0; j < nr; j++) y[i * ldy + j * col] = r[4 * j + i];
-}
-
-/* Two accumulators an output, for k = 0, 64, 128, ... and k = 32, 96, ... (two chains of dot
-   products in flight: one chain ran a 1-row step ~15% slower), added before reduce16. */
-#define PAIR_SUMS(a0, a1, x0, x1, w0, w1) \
-  do { a0 = _mm512_dpbf16_ps(a0, x0, w0); a1 = _mm512_dpbf16_ps(a1, x1, w1); } while (0)
-#define LOAD_BH(p) ((__m512bh)_mm512_loadu_si512(p))
-
-/* MR input rows against up to 4 weight rows `stride` rows apart, all four at once: four sequential
-   streams from far apart in memory. In a C harness one core read SmolLM2's 56 MB head so in 2.1-2.4
-   ms against 3.1-3.9 one row after another; inside the engine (A/B in one process) it was even with
-   the old one-row loop at 1 row (0.97-1.06x) and faster at 2-3 rows (0.7-0.9x). */
-#define STREAMS(MR) \
-static void tile_streams_##MR(const bf16* x, long K, const bf16* w, long stride, long nr, float* y, long ldy, long col) { \
-  const bf16* wj[4]; \
-  for (int j = 0; j < 4; j++) wj[j] = j < nr ? w + j * stride : w;      /* (a row past the end: computed, dropped) */ \
-  __m512 a0[4][MR], a1[4][MR]; \
-  for (int j = 0; j < 4; j++) for (int i = 0; i < MR; i++) a0[j][i] = a1[j][i] = _mm512_setzero_ps(); \
-  long k = 0; \
-  for (; k + 64 <= K; k += 64) \
+/* MR rows of x (bf16, [MR][K]) against NP panels `pstride` apart: y[MR][NP * 16], columns from the
+   first panel's on, `nvalid` of them real (the last panel of a matrix can be partly padding). */
+#define VNNI(MR, NP) \
+static void vnni_##MR##_##NP(const bf16* x, long K, const bf16* pw, long pstride, float* y, long ldy, long nvalid) { \
+  __m512 acc[MR][NP]; \
+  for (int i = 0; i < MR; i++) for (int j = 0; j < NP; j++) acc[i][j] = _mm512_setzero_ps(); \
+  for (long kp = 0; kp < K / 2; kp++) { \
+    __m512bh w[NP]; \
+    for (int j = 0; j < NP; j++) w[j] = (__m512bh)_mm512_loadu_si512(pw + j * pstride + kp * 32); \
     for (int i = 0; i < MR; i++) { \
-      __m512bh x0 = LOAD_BH(x + i * K + k), x1 = LOAD_BH(x + i * K + k + 32); \
-      for (int j = 0; j < 4; j++) PAIR_SUMS(a0[j][i], a1[j][i], x0, x1, LOAD_BH(wj[j] + k), LOAD_BH(wj[j] + k + 32)); \
-    } \
-  if (k < K) \
-    for (int i = 0; i < MR; i++) \
-      for (int j = 0; j < 4; j++) a0[j][i] = _mm512_dpbf16_ps(a0[j][i], LOAD_BH(x + i * K + k), LOAD_BH(wj[j] + k)); \
-  __m512 acc[16]; \
-  for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps(); \
-  for (int j = 0; j < 4; j++) for (int i = 0; i < MR; i++) acc[4 * j + i] = _mm512_add_ps(a0[j][i], a1[j][i]); \
-  store_tile(acc, MR, nr, y, ldy, col); \
-}
-STREAMS(1) STREAMS(2) STREAMS(3)
-typedef void (*tile_streams_t)(const bf16*, long, const bf16*, long, long, float*, long, long);
-static const tile_streams_t TILES_STREAMS[4] = {0, tile_streams_1, tile_streams_2, tile_streams_3};
-
-/* MR input rows against 4 weight rows, two side by side at a time (4 x 2 x 2 accumulators); `next`
-   (the next tile's weights) prefetched into L2 meanwhile */
-#define TILE4(MR) \
-static void tile4_##MR(const bf16* x, long K, const bf16* w, long ldw, float* y, long ldy, const char* next) { \
-  __m512 acc[16]; \
-  for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps(); \
-  for (long jp = 0; jp < 4; jp += 2) { \
-    const bf16 *wa = w + jp * ldw, *wb = wa + ldw; \
-    __m512 a0[MR], a1[MR], b0[MR], b1[MR]; \
-    for (int i = 0; i < MR; i++) a0[i] = a1[i] = b0[i] = b1[i] = _mm512_setzero_ps(); \
-    long k = 0; \
-    for (; k + 64 <= K; k += 64) { \
-      if (next) for (long j = jp; j < jp + 2; j++) \
-        for (long at = k; at < k + 64; at += 32) __builtin_prefetch(next + (j * ldw + at) * (long)sizeof(bf16), 0, 2); \
-      __m512bh wa0 = LOAD_BH(wa + k), wa1 = LOAD_BH(wa + k + 32), wb0 = LOAD_BH(wb + k), wb1 = LOAD_BH(wb + k + 32); \
-      for (int i = 0; i < MR; i++) { \
-        __m512bh x0 = LOAD_BH(x + i * K + k), x1 = LOAD_BH(x + i * K + k + 32); \
-        PAIR_SUMS(a0[i], a1[i], x0, x1, wa0, wa1); \
-        PAIR_SUMS(b0[i], b1[i], x0, x1, wb0, wb1); \
-      } \
-    } \
-    if (k < K) { \
-      if (next) for (long j = jp; j < jp + 2; j++) __builtin_prefetch(next + (j * ldw + k) * (long)sizeof(bf16), 0, 2); \
-      for (int i = 0; i < MR; i++) { \
-        __m512bh x0 = LOAD_BH(x + i * K + k); \
-        a0[i] = _mm512_dpbf16_ps(a0[i], x0, LOAD_BH(wa + k)); \
-        b0[i] = _mm512_dpbf16_ps(b0[i], x0, LOAD_BH(wb + k)); \
-      } \
-    } \
-    for (int i = 0; i < MR; i++) { \
-      acc[4 * jp + i] = _mm512_add_ps(a0[i], a1[i]); \
-      acc[4 * (jp + 1) + i] = _mm512_add_ps(b0[i], b1[i]); \
+      int32_t pair; \
+      memcpy(&pair, x + i * K + 2 * kp, sizeof pair); \
+      __m512bh xi = (__m512bh)_mm512_set1_epi32(pair); \
+      for (int j = 0; j < NP; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xi, w[j]); \
     } \
   } \
-  store_tile(acc, MR, 4, y, ldy, 1); \
+  for (int j = 0; j < NP; j++) { \
+    long left = nvalid - 16 * j; \
+    __mmask16 mask = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1); \
+    for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(y + i * ldy + 16 * j, mask, acc[i][j]); \
+  } \
 }
-TILE4(1) TILE4(2) TILE4(3) TILE4(4)
-typedef void (*tile4_t)(const bf16*, long, const bf16*, long, float*, long, const char*);
-static const tile4_t TILES4[5] = {0, tile4_1, tile4_2, tile4_3, tile4_4};
+VNNI(1, 8) VNNI(2, 8) VNNI(1, 4) VNNI(2, 4) VNNI(3, 4) VNNI(4, 4) VNNI(1, 1) VNNI(2, 1) VNNI(3, 1) VNNI(4, 1)
+typedef void (*vnni_t)(const bf16*, long, const bf16*, long, float*, long, long);
+static const vnni_t VNNI8[3] = {0, vnni_1_8, vnni_2_8};
+static const vnni_t VNNI4[5] = {0, vnni_1_4, vnni_2_4, vnni_3_4, vnni_4_4};
+static const vnni_t VNNI1[5] = {0, vnni_1_1, vnni_2_1, vnni_3_1, vnni_4_1};
 
 #ifndef M_BLOCK_BYTES
 #define M_BLOCK_BYTES (128 * 1024)
 #endif
-/* y = xb @ W^T: xb [M][K] bf16 (contiguous), W [N][K] bf16 (row stride ldw), K % 32 == 0 */
-static void gemm_native_bf16(const bf16* xb, long M, long K, const bf16* w, long N, long ldw, float* y, long ldy,
-                             int num_threads) {
+/* y = x @ W^T, W packed by pack_bf16_vnni; x fp32 [M][K] (row stride ldx), K % 32 == 0 */
+void gemm_bf16_vnni(const float* x, long M, long K, long ldx, const bf16* pw, long N, float* y, long ldy,
+                    int num_threads) {
   if (M == 0 || N == 0)
     return;
-  if (M < 4) {          /* bound by the weights' bytes: row n with rows n + q, n + 2q, n + 3q */
-    long q = (N + 3) / 4;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (long n = 0; n < q; n++)
-      TILES_STREAMS[M](xb, K, w + n * ldw, q * ldw, (N - n + q - 1) / q, y + n, ldy, q);
-    return;
-  }
-  long tiles = (N + 3) / 4;
-  /* Many rows (a prompt's): MB rows at a time, so that their inputs stay in L2 while every weight
-     tile passes over them (each row's sums are the same whichever block it is in). */
+  bf16* xb = aligned_alloc(64, ((M * K * sizeof(bf16) + 63) / 64) * 64);
+  for (long m = 0; m < M; m++)
+    for (long k = 0; k < K; k += 32) {
+      __m512 lo = _mm512_loadu_ps(x + m * ldx + k), hi = _mm512_loadu_ps(x + m * ldx + k + 16);
+      _mm512_storeu_si512(xb + m * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  long panels = (N + 15) / 16, pstride = 16 * K;
+  /* 1-2 rows on one thread: 8 panels (8 weight streams) at once; else 4 x 4 tiles */
+  long np = M <= 2 && num_threads == 1 ? 8 : 4, groups = (panels + np - 1) / np;
+  /* Many rows (a prompt's): MB rows at a time, so that their inputs stay in L2 while every panel
+     passes over them. */
   long MB = M_BLOCK_BYTES / (K * (long)sizeof(bf16));
   MB = MB < 4 ? 4 : MB - MB % 4;
   for (long mb = 0; mb < M; mb += MB) {
     long me = mb + MB < M ? mb + MB : M;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (long t = 0; t < tiles; t++) {
-      long n0 = 4 * t, nr = N - n0 < 4 ? N - n0 : 4;
+    for (long g = 0; g < groups; g++) {
+      long p0 = g * np, pn = panels - p0 < np ? panels - p0 : np;
       for (long m0 = mb; m0 < me; m0 += 4) {
         long mr = me - m0 < 4 ? me - m0 : 4;
-        if (nr < 4)       /* the last weight rows: one input row at a time (the same sums) */
-          for (long i = m0; i < m0 + mr; i++) TILES_STREAMS[1](xb + i * K, K, w + n0 * ldw, ldw, nr, y + i * ldy + n0, ldy, 1);
+        if (pn == np)
+          (np == 8 ? VNNI8 : VNNI4)[mr](xb + m0 * K, K, pw + p0 * pstride, pstride, y + m0 * ldy + 16 * p0, ldy,
+                                       N - 16 * p0);
         else
-          TILES4[mr](xb + m0 * K, K, w + n0 * ldw, ldw, y + m0 * ldy + n0, ldy,
-                     m0 == mb && n0 + 8 <= N ? (const char*)(w + (n0 + 4) * ldw) : 0);
+          for (long p = p0; p < p0 + pn; p++)
+            VNNI1[mr](xb + m0 * K, K, pw + p * pstride, pstride, y + m0 * ldy + 16 * p, ldy, N - 16 * p);
       }
     }
   }
+  free(xb);
 }
 #endif
 
-/* Which way gemv_bf16 computes for an input width K: 1 native bf16 dot products (x rounded to bf16),
-   0 widening (x in fp32). */
+/* The packed layout of gemm_bf16_vnni (built on every CPU, so that its layout is tested everywhere). */
+long bf16_vnni_elements(long N, long K) { return (N + 15) / 16 * 16 * K; }
+
+/* W bf16 [N][K] (row stride ldw) -> out [(N + 15) / 16][K / 2][16][2] (padding rows zero); K even */
+void pack_bf16_vnni(const bf16* w, long N, long K, long ldw, bf16* out) {
+  long panels = (N + 15) / 16;
+  #pragma omp parallel for schedule(static)
+  for (long p = 0; p < panels; p++)
+    for (long kp = 0; kp < K / 2; kp++)
+      for (long j = 0; j < 16; j++) {
+        long n = 16 * p + j;
+        bf16* o = out + ((p * (K / 2) + kp) * 16 + j) * 2;
+        o[0] = n < N ? w[n * ldw + 2 * kp] : 0;
+        o[1] = n < N ? w[n * ldw + 2 * kp + 1] : 0;
+      }
+}
+
+/* Which way a bf16 linear computes for an input width K: 1 native bf16 dot products on packed
+   weights (gemm_bf16_vnni, x rounded to bf16), 0 widening the weights to fp32 (gemv_bf16). */
 int gemv_bf16_native_for(long K) {
 #ifdef NATIVE_BF16
   return K % 32 == 0;
@@ -272,22 +240,10 @@ int gemv_bf16_native_for(long K) {
 #endif
 }
 
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, W bf16 [N][K] (row stride ldw); K % 8 == 0. */
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, W bf16 [N][K] (row stride ldw), each
+   bf16 widened to fp32 (CPUs without bf16 dot products); K % 8 == 0. */
 void gemv_bf16(const float* x, long M, long K, long ldx, const bf16* w, long N, long ldw, float* y, long ldy,
                int num_threads) {
-#ifdef NATIVE_BF16
-  if (gemv_bf16_native_for(K)) {
-    bf16* xb = aligned_alloc(64, ((M * K * sizeof(bf16) + 63) / 64) * 64);
-    for (long m = 0; m < M; m++)
-      for (long k = 0; k < K; k += 32) {
-        __m512 lo = _mm512_loadu_ps(x + m * ldx + k), hi = _mm512_loadu_ps(x + m * ldx + k + 16);
-        _mm512_storeu_si512(xb + m * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
-    gemm_native_bf16(xb, M, K, w, N, ldw, y, ldy, num_threads);
-    free(xb);
-    return;
-  }
-#endif
   #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (long n = 0; n < N; n++)
     for (long m = 0; m < M; m += 4)
@@ -699,8 +655,9 @@ void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long 
    Python each costs microseconds of dispatch and an allocation (about 14 ms of a 66 ms SmolLM2 step
    on one AVX2 core, issue 12). Here the layer's norms, matmuls, RoPE, K/V store, attention, SiLU
    and residual adds run back to back on scratch memory. The per-op path stays for prefill. */
-/* n columns (padded to cols); fp32 panels for gemm_packed, or (bf16) the [n][K] weight itself for gemv_bf16 */
-struct packed { const float* panels; const bf16* rows; long cols, n; const float* bias; };
+/* n columns (padded to cols); fp32 panels for gemm_packed, or bf16: `vnni` (packed for gemm_bf16_vnni,
+   CPUs with bf16 dot products) or else `rows`, the [n][K] weight itself, for gemv_bf16 */
+struct packed { const float* panels; const bf16* rows; long cols, n; const float* bias; const bf16* vnni; };
 
 struct decode_layer_weights {
   const float *norm1, *norm2; float eps1, eps2;
@@ -721,6 +678,11 @@ struct decode_batch {
 };
 
 static void linear(const float* x, long M, long K, long ldx, const struct packed* w, float* y, int threads) {
+#ifdef NATIVE_BF16
+  if (w->vnni)
+    gemm_bf16_vnni(x, M, K, ldx, w->vnni, w->n, y, w->cols, threads);
+  else
+#endif
   if (w->rows)
     gemv_bf16(x, M, K, ldx, w->rows, w->n, K, y, w->cols, threads);
   else

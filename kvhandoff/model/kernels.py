@@ -9,8 +9,8 @@ gcc, and compiles in about a second, so it is built on first use into the build 
 of its source, the compiler and this CPU's flags (-march=native), and shared by every process.
 
 In fp32 every linear layer is re-laid for gemm_packed (prefill too). In bf16 (issue 25) the weights
-keep torch's layout; FusedDecode and the logits read those same bf16 weights through gemv_bf16 and a
-bf16 K/V pool, with fp32 activations (each matmul's input rounded to bf16 where the CPU's bf16 dot
+keep torch's layout, and where the CPU has bf16 dot products a copy packed for them (pack_vnni);
+FusedDecode and the logits read the bf16 weights through gemm_bf16_vnni (or gemv_bf16) and a bf16 K/V pool, with fp32 activations (each matmul's input rounded to bf16 where the CPU's bf16 dot
 products serve, as torch's would round it). In both dtypes a prompt's rows go through FusedDecode
 too, each as a decode row whose context ends at its own token (llama.LlamaModel.row_wise_prefill):
 one function computes every token, whatever its step holds (batch invariance). In bf16 that needs
@@ -50,6 +50,9 @@ _SIGNATURES = {
     "gemm_packed": [_P, _L, _L, _L, _P, _L, _P, _L, ctypes.c_int],
     "gemv_bf16": [_P, _L, _L, _L, _P, _L, _L, _P, _L, ctypes.c_int],
     "gemv_bf16_native_for": [_L],
+    "gemm_bf16_vnni": [_P, _L, _L, _L, _P, _L, _P, _L, ctypes.c_int],     # (built where bf16 dot products are)
+    "pack_bf16_vnni": [_P, _L, _L, _L, _P],
+    "bf16_vnni_elements": [_L, _L],
     "paged_attention": [_P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _P, _P, ctypes.c_int],
     "paged_attention_supports": [_L, _L, _L],
     "rms_norm": [_P, _P, _L, _L, _L, _L, _P, ctypes.c_float, _P],
@@ -59,7 +62,7 @@ _SIGNATURES = {
 
 
 class _Packed(ctypes.Structure):                # struct packed
-    _fields_ = [("panels", _P), ("rows", _P), ("cols", _L), ("n", _L), ("bias", _P)]
+    _fields_ = [("panels", _P), ("rows", _P), ("cols", _L), ("n", _L), ("bias", _P), ("vnni", _P)]
 
 
 class _LayerWeights(ctypes.Structure):          # struct decode_layer_weights
@@ -114,7 +117,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         log.warning("CPU kernels unavailable, using torch's paths: %s", err)
         return None, f"off (build failed: {str(err)[:200]})"
     for name, argtypes in _SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = argtypes
+    lib.bf16_vnni_elements.restype = _L
     return lib, "on (gcc -march=native)"
 
 
@@ -177,20 +182,37 @@ def bf16_supported(hidden: int, q_size: int, intermediate: int) -> bool:
 
 
 def native_bf16(in_features: int) -> bool:
-    """Does gemv_bf16 use the CPU's bf16 dot products (AVX512-BF16) for this input width? Then it
-    rounds x to bf16 first, as torch's bf16 matmuls do; otherwise it widens the weights to fp32."""
+    """Do bf16 linears of this input width use the CPU's bf16 dot products (AVX512-BF16, on weights
+    packed by pack_vnni)? Then x is rounded to bf16 first, as torch's bf16 matmuls do; otherwise
+    gemv_bf16 widens the weights (torch's layout) to fp32."""
     return bool(_load()[0].gemv_bf16_native_for(in_features))
 
 
-def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] re-laid for gemm_bf16_vnni: panels of 16 outputs, each [K/2][16][2] (a copy:
+    torch's layout stays for the paths that read it)."""
+    lib = _load()[0]
+    assert weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[1] % 2 == 0
+    out = torch.empty(lib.bf16_vnni_elements(*weight.shape), dtype=torch.bfloat16)
+    lib.pack_bf16_vnni(weight.data_ptr(), weight.shape[0], weight.shape[1], weight.stride(0), out.data_ptr())
+    return out
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, vnni: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp32) @ weight^T, weight bf16 [N, K] in torch's layout: fp32 [M, N] (the logits of
-    decode rows, read from the bf16 head as the layers read theirs)."""
+    decode rows, read from the bf16 head as the layers read theirs). With bf16 dot products the
+    product is gemm_bf16_vnni's, on `vnni` (pack_vnni(weight); packed here if not given)."""
     lib = _load()[0]
     assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    lib.gemv_bf16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), weight.shape[0],
-                  weight.stride(0), y.data_ptr(), y.stride(0), _threads())
+    if native_bf16(weight.shape[1]):
+        vnni = pack_vnni(weight) if vnni is None else vnni
+        lib.gemm_bf16_vnni(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), vnni.data_ptr(), weight.shape[0],
+                           y.data_ptr(), y.stride(0), _threads())
+    else:
+        lib.gemv_bf16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), weight.shape[0],
+                      weight.stride(0), y.data_ptr(), y.stride(0), _threads())
     return y
 
 
@@ -280,6 +302,11 @@ class FusedDecode:
         first = layers[0]
         self.hidden, self.intermediate = first.qkv.in_features, first.down.in_features
         self.biases: list[torch.Tensor] = []          # fp32 copies the structs point at
+        # bf16 weights packed for gemm_bf16_vnni (by id of their nn.Linear), once, at load
+        self.vnni = {id(linear): pack_vnni(linear.weight.detach()) for layer in layers
+                     for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                     if not isinstance(linear, PackedLinear) and linear.weight.dtype == torch.bfloat16
+                     and native_bf16(linear.in_features)}
         assert first.gate_up.out_features == 2 * self.intermediate and first.o.in_features == heads * head_dim
         assert first.qkv.out_features == (heads + 2 * kv_heads) * head_dim
         self._structs: list[_LayerWeights] = []
@@ -303,8 +330,9 @@ class FusedDecode:
                                None if bias is None else bias.data_ptr())
             weight = linear.weight
             assert weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            vnni = self.vnni.get(id(linear))
             return _Packed(None, weight.data_ptr(), linear.out_features, linear.out_features,
-                           None if bias is None else bias.data_ptr())
+                           None if bias is None else bias.data_ptr(), None if vnni is None else vnni.data_ptr())
 
         structs, self.biases = [], []
         for index, w in enumerate(self.layers):

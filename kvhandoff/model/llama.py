@@ -353,6 +353,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_head: kernels.PackedLinear | None = None       # set by use_cpu_kernels
+        self.vnni_head: torch.Tensor | None = None                  # (bf16, packed for bf16 dot products)
         self.fused_decode: kernels.FusedDecode | None = None        # every step's decode rows (use_cpu_kernels)
         self.row_wise_prefill = False       # prompt rows through fused_decode too (use_cpu_kernels)
 
@@ -360,7 +361,8 @@ class LlamaModel(nn.Module):
         """Serve through kernels.py. fp32: every linear layer's weight re-laid once for gemm_packed (the
         original dropped, so memory stays one copy; a tied embedding is looked up from the packed
         output matrix), decode attention reading the pool in place. bf16: the weights stay as they
-        are, decode rows and their logits through the kernels, which read the same bf16 weights.
+        are (torch's paths read them), decode rows and their logits through the kernels, which read
+        a copy packed for the CPU's bf16 dot products (kernels.pack_vnni), or else the same weights.
         Prompt rows too, as decode rows whose context ends at their own token (row_wise_prefill;
         in bf16 only where the CPU has bf16 dot products), so that every token is computed by one
         function: its logits and K/V do not depend on what shares its step, how its prompt was
@@ -375,6 +377,9 @@ class LlamaModel(nn.Module):
             cfg = self.cfg
             self.row_wise_prefill = self.fused_decode is not None and all(kernels.native_bf16(width) for width in (
                 cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size))
+            if self.fused_decode is not None and kernels.native_bf16(cfg.hidden_size):
+                head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+                self.vnni_head = kernels.pack_vnni(head.detach())
             return
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -450,7 +455,7 @@ class LlamaModel(nn.Module):
             return self.packed_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.fused_decode is not None and weight.dtype == torch.bfloat16:
-            return kernels.linear_bf16(hidden, weight.detach())        # (fp32 rows; the decode rows' way)
+            return kernels.linear_bf16(hidden, weight.detach(), self.vnni_head)   # (fp32 rows; the decode rows' way)
         return F.linear(hidden, weight).float()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
