@@ -212,13 +212,14 @@ void gemm_bf16_vnni(const float* x, long M, long K, long ldx, const bf16* pw, lo
 }
 #endif
 
-/* The packed layout of gemm_bf16_vnni (built on every CPU, so that its layout is tested everywhere). */
+/* The packed layout of gemm_bf16_vnni (plain C, built on every CPU; used where NATIVE_BF16 is). */
 long bf16_vnni_elements(long N, long K) { return (N + 15) / 16 * 16 * K; }
 
-/* W bf16 [N][K] (row stride ldw) -> out [(N + 15) / 16][K / 2][16][2] (padding rows zero); K even */
+/* W bf16 [N][K] (row stride ldw) -> out [(N + 15) / 16][K / 2][16][2] (padding rows zero); K even.
+   One thread: it runs at load, on the loading thread, which must not start an OpenMP team of its own
+   beside the engine loop's (see LLMEngine.__init__). */
 void pack_bf16_vnni(const bf16* w, long N, long K, long ldw, bf16* out) {
   long panels = (N + 15) / 16;
-  #pragma omp parallel for schedule(static)
   for (long p = 0; p < panels; p++)
     for (long kp = 0; kp < K / 2; kp++)
       for (long j = 0; j < 16; j++) {
