@@ -10,7 +10,8 @@ of its source, the compiler and this CPU's flags (-march=native), and shared by 
 
 In fp32 every linear layer is re-laid for gemm_packed (prefill too). In bf16 (issue 25) the weights
 keep torch's layout, and where the CPU has bf16 dot products a copy packed for them (pack_vnni);
-FusedDecode and the logits read the bf16 weights through gemm_bf16_vnni (or gemv_bf16) and a bf16 K/V pool, with fp32 activations (each matmul's input rounded to bf16 where the CPU's bf16 dot
+FusedDecode and the logits read the bf16 weights through gemm_bf16_vnni (or gemv_bf16) and a bf16
+K/V pool, with fp32 activations (each matmul's input rounded to bf16 where the CPU's bf16 dot
 products serve, as torch's would round it). In both dtypes a prompt's rows go through FusedDecode
 too, each as a decode row whose context ends at its own token (llama.LlamaModel.row_wise_prefill):
 one function computes every token, whatever its step holds (batch invariance). In bf16 that needs
