@@ -51,10 +51,15 @@ def reference(tmp_path_factory) -> dict[int, list[str]]:
     stacks' workers (one thread)."""
     server = ServerProcess(list(ENGINE), tmp_path_factory.mktemp("fleet") / "colocated.log")
     try:
-        return {n: [httpx.post(server.url + "/v1/completions", json=completion(p) | {"max_tokens": n}, timeout=60)
-                    .json()["choices"][0]["text"] for p in PROMPTS] for n in (TOKENS, SHORT)}
+        return greedy_texts(server.url, (TOKENS, SHORT))
     finally:
         server.stop()
+
+
+def greedy_texts(url: str, lengths: tuple[int, ...]) -> dict[int, list[str]]:
+    """PROMPTS' greedy answers from `url`, one request at a time, for each answer length."""
+    return {n: [httpx.post(url + "/v1/completions", json=completion(p) | {"max_tokens": n}, timeout=60)
+                .json()["choices"][0]["text"] for p in PROMPTS] for n in lengths}
 
 
 class Streams:
@@ -446,8 +451,7 @@ def test_sixteen_bf16_streams_outlive_a_decode_worker_with_the_tokens_sent_one_a
         facts = server.health()
         if not facts["batch_invariant"]:
             pytest.skip(f"bf16 is not batch-invariant on this CPU: kernels {facts['kernels']!r}")
-        reference = {TOKENS: [httpx.post(server.url + "/v1/completions", json=completion(p), timeout=60)
-                              .json()["choices"][0]["text"] for p in PROMPTS]}
+        reference = greedy_texts(server.url, (TOKENS,))
     finally:
         server.stop()
     stack = up(tmp_path, "push", "--decode", "2", "--decode-args=--inject-faults step_ms=10", engine=engine)

@@ -51,7 +51,7 @@ _SIGNATURES = {
     "gemm_packed": [_P, _L, _L, _L, _P, _L, _P, _L, ctypes.c_int],
     "gemv_bf16": [_P, _L, _L, _L, _P, _L, _L, _P, _L, ctypes.c_int],
     "gemv_bf16_native_for": [_L],
-    "gemm_bf16_vnni": [_P, _L, _L, _L, _P, _L, _P, _L, ctypes.c_int],     # (built where bf16 dot products are)
+    "gemm_bf16_vnni": [_P, _L, _L, _L, _P, _L, _P, _L, ctypes.c_int],     # (_OPTIONAL)
     "pack_bf16_vnni": [_P, _L, _L, _L, _P],
     "bf16_vnni_elements": [_L, _L],
     "paged_attention": [_P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _P, _P, ctypes.c_int],
@@ -60,6 +60,7 @@ _SIGNATURES = {
     "rope_store_kv": [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _L, _L, _P, _P],
     "decode_layer": [_P, _P, _P, _P],
 }
+_OPTIONAL = {"gemm_bf16_vnni"}           # built only where the CPU has bf16 dot products
 
 
 class _Packed(ctypes.Structure):                # struct packed
@@ -118,7 +119,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         log.warning("CPU kernels unavailable, using torch's paths: %s", err)
         return None, f"off (build failed: {str(err)[:200]})"
     for name, argtypes in _SIGNATURES.items():
-        if hasattr(lib, name):
+        if name not in _OPTIONAL or hasattr(lib, name):
             getattr(lib, name).argtypes = argtypes
     lib.bf16_vnni_elements.restype = _L
     return lib, "on (gcc -march=native)"
