@@ -453,6 +453,34 @@ def test_client_gone_during_prefill_cancels_it(routed):
     wait_until(lambda: router_idle(router.url), "in-flight counts not back to 0")
 
 
+def test_a_pull_answer_the_client_outran_is_released(fakes):
+    """A client gone in the loop turn in which the prefill's answer completed: the leg that awaited the
+    answer never resumes to record the pin, so the attempt must know it once the prefill leg closes,
+    and tell the prefill /kv/release. (A pull-reader stack held 64 blocks until the lease ended after
+    a client left mid-stream, in 3 runs of 10 with the other core busy.) The router runs in-process:
+    only here can the test stop between the answer and the leg that awaited it."""
+    from kvhandoff.router.app import Router, RouterConfig
+    from kvhandoff.router.attempt import Attempt
+    prefill, decode = fakes
+
+    async def client_outran_the_answer() -> str:
+        router = Router(RouterConfig([prefill.url], [decode.url], "pull", SECRET.encode(), health_interval=0))
+        await router.start()
+        try:
+            attempt = Attempt(router, "/v1/completions", True, time.perf_counter(),
+                              asyncio.get_running_loop().time() + 30, body={"prompt": "hi", "fake": {"tag": "outran"}})
+            attempt.prefill = attempt.pick("prefill")
+            await attempt.run_prefill()         # pinned and answered; the decode leg never resumes
+            await attempt.release_legs()        # the client is gone
+            await asyncio.gather(*router.background)      # the control messages, sent
+            return attempt.handoff_id
+        finally:
+            await router.stop()
+    handoff_id = asyncio.run(client_outran_the_answer())
+    assert handoff_of(prefill, "outran") == handoff_id
+    assert prefill.released.count(handoff_id) == 1 and handoff_id not in prefill.told_cancel
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_router_never_holds_a_client_past_its_deadline(fakes, tmp_path, mode):
     """--request-timeout bounds every request: a hung worker gets the client a 504 (and is told to

@@ -197,17 +197,23 @@ class Attempt:
         finally:
             if not first_token.done():
                 first_token.set_result(None)
-        self.open_legs.discard("prefill")
         self.unhold(worker)
         if not isinstance(handoff, dict):
             raise WorkerFailure(worker, f"the prefill worker {worker.url} answered without a handoff object; is "
                                 "it running with --role prefill?", "bad_worker_answer")
         try:
-            return M.parse(M.PullHandoff if self.mode.is_pull else M.PushPrefillAnswer, handoff,
-                           "the prefill's handoff object")
-        except M.MessageError as exc:
+            answer = M.parse(M.PullHandoff if self.mode.is_pull else M.PushPrefillAnswer, handoff,
+                             "the prefill's handoff object")
+        except M.MessageError as exc:       # (the leg stays open: release_legs tells it /kv/cancel)
             raise WorkerFailure(worker, f"the {worker} answered a malformed handoff object: {exc}",
                                 "bad_worker_answer") from None
+        # The leg closes and its pin is known in one step, with no await between: a client gone before
+        # the decode leg resumed once found neither ("prefill" closed, `remote` not yet set by the leg
+        # that awaited this answer), told nobody, and the prefill held 64 blocks until the lease ended.
+        if self.mode.is_pull:
+            self.remote = answer
+        self.open_legs.discard("prefill")
+        return answer
 
     async def read_prefill_lines(self, worker: Worker, resp: Answer) -> dict | None:
         """The prefill's JSON lines: the first token (handed on at once), then the handoff object, or

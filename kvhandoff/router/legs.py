@@ -28,7 +28,7 @@ async def pull(attempt: Attempt) -> None:
 
 async def _pull_decode(attempt: Attempt, prefill: asyncio.Task):
     try:
-        attempt.remote = await prefill
+        await prefill           # (run_prefill sets attempt.remote: the pin is released if we stop here)
     except Exception as failure:
         if not attempt.may_retry_colocated(failure) or attempt.first_sent:
             raise               # (after the first token: the relay continues the request elsewhere)
