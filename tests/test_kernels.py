@@ -230,6 +230,22 @@ def test_a_bf16_linear_row_does_not_depend_on_the_thread_count():
     assert all(torch.equal(results[0], other) for other in results[1:])
 
 
+def test_weights_packed_together_equal_each_packed_alone_in_read_order_on_aligned_memory():
+    """pack_vnni_together: the same packed bytes as pack_vnni of each, back to back in the order given,
+    in one region that starts on a huge page (so the kernel can back it with 2 MiB pages), zeroed."""
+    if not kernels.native_bf16(576):
+        pytest.skip("no bf16 dot products on this CPU: nothing is packed for them")
+    g = torch.Generator().manual_seed(5)
+    weights = [torch.randn(n, k, generator=g).bfloat16() for n, k in ((960, 576), (41, 136), (576, 1536))]
+    together = kernels.pack_vnni_together(weights)
+    assert all(torch.equal(packed, kernels.pack_vnni(w)) for packed, w in zip(together, weights))
+    assert together[0].data_ptr() % kernels.HUGE_PAGE == 0
+    for before, after in zip(together, together[1:]):
+        assert after.data_ptr() == before.data_ptr() + before.numel() * 2
+    fresh = kernels.streamed_memory(3 * kernels.HUGE_PAGE + 5, torch.float32)
+    assert fresh.data_ptr() % kernels.HUGE_PAGE == 0 and not fresh.any()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_bf16_fused_decode_step_gives_the_reference_logits(bias):
     """bf16 weights and a bf16 K/V pool: decode_layer (fp32 activations, each matmul's input rounded to

@@ -5,12 +5,14 @@ model attends to the two kinds differently (see kvhandoff.model.llama).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
 from kvhandoff.config import ModelConfig
 from kvhandoff.engine.scheduler import ScheduledChunk
+from kvhandoff.model import kernels
 from kvhandoff.model.llama import BatchMetadata, LlamaModel, PrefillSeq
 
 
@@ -26,7 +28,12 @@ class ModelRunner:
         cfg = self.cfg
         # Block-major: a block's K and V for all layers are one contiguous range (one transfer descriptor).
         shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
-        if kv_memory is None:
+        if kv_memory is None and self.device.type == "cpu":
+            # On huge pages where the kernel gives them: a decode step reads every sequence's blocks
+            # (16 sequences at 1,024 tokens of SmolLM2: 4-8% faster a step). Touched now, as
+            # torch.zeros did: the pool is committed at start, not page by page while serving.
+            self.kv_cache = kernels.streamed_memory(math.prod(shape), self.dtype).view(shape).zero_()
+        elif kv_memory is None:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         else:   # caller-provided bytes, e.g. a shared-memory region registered with a transfer agent
             self.kv_cache = kv_memory.view(self.dtype).view(shape)

@@ -27,6 +27,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import mmap
 import os
 import platform
 import shutil
@@ -34,6 +35,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -190,14 +192,46 @@ def native_bf16(in_features: int) -> bool:
     return bool(_load()[0].gemv_bf16_native_for(in_features))
 
 
-def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
+HUGE_PAGE = 2 << 20
+
+
+def streamed_memory(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed 1-D tensor on anonymous memory the kernel is asked to back with 2 MiB pages (madvise
+    MADV_HUGEPAGE: in THP's common 'madvise' mode nothing is huge unless asked), for what each step
+    streams through: with 4 KiB pages every 4 KiB read of weights or K/V may cost a TLB miss and
+    ends the hardware prefetcher's run. Where the kernel has no THP it is plain memory."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):       # no transparent huge pages here: 4 KiB pages, as before
+        pass
+    raw = np.frombuffer(region, dtype=np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype)
+
+
+def pack_vnni(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A bf16 weight [N, K] re-laid for gemm_bf16_vnni: panels of 16 outputs, each [K/2][16][2] (a copy:
-    torch's layout stays for the paths that read it)."""
+    torch's layout stays for the paths that read it), into `out` if given."""
     lib = _load()[0]
     assert weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[1] % 2 == 0
-    out = torch.empty(lib.bf16_vnni_elements(*weight.shape), dtype=torch.bfloat16)
+    numel = lib.bf16_vnni_elements(*weight.shape)
+    out = torch.empty(numel, dtype=torch.bfloat16) if out is None else out
+    assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.numel() == numel
     lib.pack_bf16_vnni(weight.data_ptr(), weight.shape[0], weight.shape[1], weight.stride(0), out.data_ptr())
     return out
+
+
+def pack_vnni_together(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """pack_vnni of each, one after another in one region (streamed_memory), in the order given: the
+    order a step reads them, so that a step streams its weights from one end to the other. SmolLM2,
+    one thread, alternated step by step in one process against separate allocations: single-stream
+    steps 3-4% faster, 16 sequences 4-11%."""
+    lib = _load()[0]
+    sizes = [lib.bf16_vnni_elements(*w.shape) for w in weights]
+    region = streamed_memory(sum(sizes), torch.bfloat16)
+    return [pack_vnni(w, part) for w, part in zip(weights, region.split(sizes))]
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, vnni: torch.Tensor | None = None) -> torch.Tensor:
@@ -304,11 +338,11 @@ class FusedDecode:
         first = layers[0]
         self.hidden, self.intermediate = first.qkv.in_features, first.down.in_features
         self.biases: list[torch.Tensor] = []          # fp32 copies the structs point at
-        # bf16 weights packed for gemm_bf16_vnni (by id of their nn.Linear), once, at load
-        self.vnni = {id(linear): pack_vnni(linear.weight.detach()) for layer in layers
-                     for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                     if not isinstance(linear, PackedLinear) and linear.weight.dtype == torch.bfloat16
-                     and native_bf16(linear.in_features)}
+        # bf16 weights packed for gemm_bf16_vnni (by id of their nn.Linear), once, at load, in one region
+        native = [linear for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                  if not isinstance(linear, PackedLinear) and linear.weight.dtype == torch.bfloat16
+                  and native_bf16(linear.in_features)]
+        self.vnni = dict(zip(map(id, native), pack_vnni_together([linear.weight.detach() for linear in native])))
         assert first.gate_up.out_features == 2 * self.intermediate and first.o.in_features == heads * head_dim
         assert first.qkv.out_features == (heads + 2 * kv_heads) * head_dim
         self._structs: list[_LayerWeights] = []

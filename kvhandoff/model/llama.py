@@ -379,7 +379,7 @@ class LlamaModel(nn.Module):
                 cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size))
             if self.fused_decode is not None and kernels.native_bf16(cfg.hidden_size):
                 head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-                self.vnni_head = kernels.pack_vnni(head.detach())
+                self.vnni_head = kernels.pack_vnni_together([head.detach()])[0]
             return
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
