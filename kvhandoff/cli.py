@@ -53,6 +53,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="a stream whose decode worker fails (dies, breaks off, errs) after the client has tokens "
                         "continues on another decode worker from the tokens sent, at most N times; 0 = never: it "
                         "ends with an error event (default: %(default)s)")
+    p.add_argument("--forget-joined-after-s", type=float, default=30.0, metavar="S",
+                   help="a worker that joined by itself (serve --join) and has not answered a health poll for S "
+                        "seconds is drained from the pool; it joins again if it comes back (default: %(default)s)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -200,6 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit("kvhandoff serve: --inject-faults: a colocated server (--role both) takes only step_ms=N "
                          "and engine_fail")
     from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
+    membership = None
+    routers = join_targets(args)
     agent = connector = None
     # A colocated server needs no secret; with one (under `kvhandoff up`), its API key gate also lets
     # the launcher's health polls through.
@@ -256,12 +261,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop.start()
 
         def ready(url: str) -> None:
+            nonlocal membership
             print(f"kvhandoff: serving '{engine.served_name}' at {url}/v1 "
                   f"(health {url}/health, metrics {url}/metrics)", flush=True)
+            if routers:
+                from urllib.parse import urlsplit
+
+                from kvhandoff.worker.membership import Membership, advertised_url
+                bound = urlsplit(url).port
+                membership = Membership(routers, args.role, advertised_url(args.host, bound, args.advertise_url), secret)
+                membership.start()
         serve_forever(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
     except KeyboardInterrupt:
         pass
     finally:
+        if membership is not None:
+            membership.leave()
         loop.stop()
         if connector is not None:
             connector.close()
@@ -271,6 +286,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if loop.fatal_error:            # (replaces the SystemExit(0) its SIGTERM became)
             raise SystemExit(1)
     return 0
+
+
+def join_targets(args: argparse.Namespace) -> list[str]:
+    """The routers `--join` names (checked before anything starts: a mistake is a message, not a worker
+    that serves nobody)."""
+    if not args.join:
+        if args.advertise_url:
+            raise SystemExit("kvhandoff serve: --advertise-url is for --join")
+        return []
+    from kvhandoff.router.pool import parse_urls
+    from kvhandoff.worker.membership import advertised_url
+    if args.role == "both":
+        raise SystemExit("kvhandoff serve: --join is for --role prefill or decode (a router's pool holds those)")
+    try:
+        routers = parse_urls(args.join)
+        advertised_url(args.host, args.port, args.advertise_url)
+    except ValueError as e:
+        raise SystemExit(f"kvhandoff serve: --join: {e}") from None
+    return routers
 
 
 def stop_after_engine_failure(error: str) -> None:
@@ -299,7 +333,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                               health_interval=args.health_interval, retry_colocated=args.retry_colocated,
                               bidirectional=args.bidirectional, decode_policy=args.decode_policy,
                               prefill_policy=args.prefill_policy, disagg_min_tokens=args.disagg_min_tokens,
-                              late_binding=args.late_binding, migration_limit=args.migration_limit)
+                              late_binding=args.late_binding, migration_limit=args.migration_limit,
+                              forget_joined_after_s=args.forget_joined_after_s)
     except ValueError as e:
         raise SystemExit(f"kvhandoff router: {e}")
     app = build_router_app(config)
@@ -372,7 +407,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                       (["--late-binding"] if args.late_binding else []) + \
                       ["--decode-policy", args.decode_policy, "--prefill-policy", args.prefill_policy,
                        "--disagg-min-tokens", str(args.disagg_min_tokens), "--health-interval", str(args.health_interval),
-                       "--migration-limit", str(args.migration_limit)] + key_args
+                       "--migration-limit", str(args.migration_limit),
+                       "--forget-joined-after-s", str(args.forget_joined_after_s)] + key_args
         cfg = LaunchConfig(mode=args.mode, worker_args=worker_args, router_args=router_args,
                            prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),
                            num_prefill=args.prefill, num_decode=args.decode,
@@ -562,6 +598,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "slot, then gets 429 with Retry-After; 0 = unbounded (default: %(default)s)")
     g.add_argument("--queue-wait-s", type=float, default=10.0,
                    help="how long a request over --max-in-flight waits for a slot (default: %(default)s)")
+    g = p.add_argument_group("joining routers (docs/DEPLOY.md)")
+    g.add_argument("--join", default=None, metavar="URL[,URL...]",
+                   help="prefill/decode: add this worker to these routers' pools once it serves (again every "
+                        "10 s, for a router that restarted), and drain it from them at shutdown; the routers "
+                        "need the same $KVHANDOFF_SECRET")
+    g.add_argument("--advertise-url", default=None, metavar="URL",
+                   help="with --join: the URL routers reach this worker at (default: the one it is bound to; "
+                        "needed when --host is 0.0.0.0 or ::)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("router", help="the OpenAI-compatible front over prefill and decode workers",

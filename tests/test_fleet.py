@@ -193,6 +193,55 @@ def test_workers_join_and_leave_a_running_router(tmp_path):
             fake.stop()
 
 
+def test_hand_started_workers_join_the_router_and_leave_it_by_draining_or_dying(tmp_path, reference):
+    """`kvhandoff serve --role decode --join ROUTER`: two workers started by hand add themselves to a
+    running `up` stack's router and serve its requests (the colocated tokens); one stopped with SIGTERM
+    drains itself at once; one SIGKILLed is forgotten after --forget-joined-after-s of failed polls. The
+    stack serves throughout. Bad --join set-ups are refused before anything starts."""
+    stack = up(tmp_path, "pull", "--health-interval", "0.2", "--forget-joined-after-s", "3")
+    admin, joiners = stack.url + "/admin/workers", []
+    try:
+        for bad, why in ((["--role", "both"], "--role prefill or decode"),
+                         (["--role", "decode", "--host", "0.0.0.0"], "--advertise-url"),
+                         (["--role", "decode", "--advertise-url", "h:1"], "http://ADDRESS:PORT")):
+            out = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "serve", *ENGINE, "--kv-secret", SECRET,
+                                  "--join", stack.url, *bad], capture_output=True, text=True, timeout=60)
+            assert out.returncode != 0 and why in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+        args = [*ENGINE, "--kv-secret", SECRET, "--role", "decode", "--join", stack.url]
+        with ThreadPoolExecutor(2) as pool:
+            started = [pool.submit(ServerProcess, args, tmp_path / f"joiner-{i}.log") for i in range(2)]
+        joiners = [f.result() for f in started]
+        urls = {j.url for j in joiners}
+
+        def listed() -> dict[str, dict]:
+            return {w["url"]: w for w in httpx.get(admin, headers=ADMIN, timeout=10).json()["workers"]}
+        wait_until(lambda: all(listed().get(u, {}).get("num_free_blocks") is not None for u in urls),
+                   "the hand-started workers did not join (or were never polled)", timeout=30)
+        assert all(listed()[u]["joined"] and listed()[u]["role"] == "decode" for u in urls)
+        served = set()
+        for i in range(6):          # fewest in flight, ties in turn: each of the three decode workers
+            answer = post(stack, PROMPTS[i], SHORT)
+            assert answer["choices"][0]["text"] == reference[SHORT][i]
+            served.add(answer["handoff"]["decode_worker"])
+        assert len(served) == 3, served
+
+        draining, dying = joiners
+        assert draining.stop() == 0
+        assert "left " + stack.url in draining.log_path.read_text()
+        assert draining.url not in listed()                 # drained by its own word, not by the polls
+        dying.proc.kill()
+        dying.proc.wait(10)
+        wait_until(lambda: dying.url not in listed(), "the SIGKILLed worker was never forgotten", timeout=30)
+        assert f"forgot decode worker {dying.url}" in stack.text()
+        for i in range(3):
+            assert post(stack, PROMPTS[i], SHORT)["choices"][0]["text"] == reference[SHORT][i]
+        assert len(listed()) == 2
+    finally:
+        for joiner in joiners:
+            joiner.stop()
+        assert stack.stop() == 0, stack.text()[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Decode policies: 1 prefill and 3 decode workers, one of them slow, behind one router per policy
 

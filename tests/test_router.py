@@ -628,6 +628,28 @@ def test_pick_least_loaded_then_round_robin():
     assert pick() == "http://d0"     # nobody healthy: still pick, so the client hears which one failed
 
 
+def test_joined_workers_leave_for_good_when_drained_and_are_forgotten_when_they_vanish():
+    """A worker that joins by itself says "I am here" every few seconds: an admin's drain must stick
+    for that run of it (a restarted run joins again); one unreachable for forget_joined_after_s is
+    forgotten but may join again; workers the operator named, and the last of a role, stay."""
+    pool = WorkerPool(["http://p"], ["http://d0"], forget_joined_after_s=5)
+    joined = pool.add("decode", "http://d1", instance="run-1")
+    assert joined.joined and pool.add("decode", "http://d1", instance="run-1") is joined     # again: a no-op
+    pool.remove("http://d1")                                        # an admin drains it
+    with pytest.raises(ValueError, match="drained"):
+        pool.add("decode", "http://d1", instance="run-1")
+    assert pool.find("http://d1") is None
+    again = pool.add("decode", "http://d1", instance="run-2")       # restarted
+    again.unreachable_since = pool.decodes[0].unreachable_since = 100.0
+    assert pool.forget_vanished(104.9) == []
+    assert pool.forget_vanished(105.0) == [again] and pool.find("http://d1") is None
+    assert [w.url for w in pool.decodes] == ["http://d0"]           # named by the operator: kept, unhealthy
+    back = pool.add("decode", "http://d1", instance="run-2")        # reachable again: it joins again
+    pool.remove("http://d0", for_good=False)
+    back.unreachable_since = 0.0
+    assert pool.forget_vanished(1e6) == [] and pool.find("http://d1") is back     # the last decode worker
+
+
 def test_unreachable_workers_are_named(fakes, tmp_path):
     prefill, decode = fakes
     dead = f"http://127.0.0.1:{free_port()}"

@@ -1,7 +1,9 @@
 """The router's admin endpoints: the worker set changed at run time, behind the deployment's control token.
 
 GET /admin/workers lists the pool; POST /admin/workers {"role": "prefill"|"decode", "url": ...} adds a
-worker (checked with one /health at once: it serves when that answers, or when a later poll does);
+worker (checked with one /health at once: it serves when that answers, or when a later poll does;
+`"instance": ID` from a worker that adds itself, `serve --join`: forgotten once unreachable for long,
+and that run of it refused once drained);
 DELETE /admin/workers?url=... drains one (no new requests; it leaves the pool after its last request).
 `kvhandoff workers` is the command line for them. A worker that restarts at the same URL (`kvhandoff
 up` restarting a dead one) needs none of this: the health poll takes it back.
@@ -26,7 +28,7 @@ def listing(worker: Worker) -> dict:
     """What the router knows of a worker; `step_ms` and `num_free_blocks` are from its last /health
     poll (None until one answered)."""
     return {"url": worker.url, "role": worker.role, "healthy": worker.healthy, "draining": worker.draining,
-            "in_flight": worker.in_flight, "step_ms": worker.last_health.get("step_ms"),
+            "in_flight": worker.in_flight, "joined": worker.joined, "step_ms": worker.last_health.get("step_ms"),
             "num_free_blocks": worker.last_health.get("num_free_blocks")}
 
 
@@ -54,8 +56,12 @@ async def add_worker(router, request: Request) -> JSONResponse:
     if role not in ROLES:
         raise P.APIError(400, f"role must be one of {', '.join(ROLES)}, not {role!r}", param="role")
     url = one_url(body.get("url"))
+    instance = body.get("instance")
+    if instance is not None and (not isinstance(instance, str) or not 0 < len(instance) <= 64):
+        raise P.APIError(400, "instance must be a string of 1-64 characters naming this run of a worker that "
+                         "joins by itself", param="instance")
     try:
-        worker = router.pool.add(role, url)
+        worker = router.pool.add(role, url, instance=instance)
     except ValueError as e:
         raise P.APIError(409, str(e), param="url") from None
     report = await router.pool.check(router.upstream, worker)

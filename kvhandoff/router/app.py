@@ -69,6 +69,9 @@ class RouterConfig:
     # A stream whose decode worker fails after the client has tokens continues on another decode worker
     # from the tokens sent (relay.py), at most this many times; 0: it ends with an error event.
     migration_limit: int = 1
+    # A worker that joined by itself (`serve --join`) and has not answered a health poll for this long
+    # died without leaving: it is drained from the pool (it joins again if it comes back).
+    forget_joined_after_s: float = 30.0
 
     def __post_init__(self):
         self.mode = Mode.parse(self.mode) if not isinstance(self.mode, Mode) else self.mode
@@ -77,6 +80,8 @@ class RouterConfig:
         assert self.secret, "the router needs the deployment secret to talk to its workers"
         if self.disagg_min_tokens < 0:
             raise ValueError("--disagg-min-tokens must be >= 0")
+        if self.forget_joined_after_s <= 0:
+            raise ValueError("--forget-joined-after-s must be > 0")
         if self.migration_limit < 0:
             raise ValueError("--migration-limit must be >= 0 (0: no migration)")
         if self.late_binding and self.mode.is_pull:
@@ -139,7 +144,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.pool = WorkerPool(config.prefill_urls, config.decode_urls,
                                on_change=self.count_in_flight,
-                               decode_policy=config.decode_policy, prefill_policy=config.prefill_policy)
+                               decode_policy=config.decode_policy, prefill_policy=config.prefill_policy,
+                               forget_joined_after_s=config.forget_joined_after_s)
         self.leg = legs.pull if self.mode.is_pull else legs.push
         self.auth = control_headers(config.secret)
         self.upstream: Upstream | None = None           # HTTP to the workers (upstream.py)

@@ -4,6 +4,8 @@ the pool when its last one has finished)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -11,6 +13,8 @@ from kvhandoff.router.errors import describe
 from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, ranking
 from kvhandoff.router.prefix import PrefixIndex, PromptFacts
 from kvhandoff.router.upstream import Upstream, UpstreamError
+
+log = logging.getLogger("kvhandoff.router")
 
 
 def parse_urls(spec: str) -> list[str]:
@@ -38,6 +42,9 @@ class Worker:
     routed_since_poll: int = 0   # requests this router sent it since its last /health answer
     tokens_in_flight: int = 0    # prompt tokens of this router's requests it holds (when known)
     last_health: dict = field(default_factory=dict)
+    joined: bool = False         # it added itself (`serve --join`): forgotten once unreachable for long
+    instance: str | None = None  # ... and this run of it (a restarted worker is another)
+    unreachable_since: float | None = None    # monotonic time of the first failed poll in a row
 
     def __str__(self) -> str:         # how messages and logs name it
         return f"{self.role} worker {self.url}"
@@ -46,7 +53,10 @@ class Worker:
 class WorkerPool:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str],
                  on_change: Callable[[Worker], None] = lambda worker: None,
-                 decode_policy: DecodePolicy = DecodePolicy.FEWEST, prefill_policy: PrefillPolicy = PrefillPolicy.FEWEST):
+                 decode_policy: DecodePolicy = DecodePolicy.FEWEST, prefill_policy: PrefillPolicy = PrefillPolicy.FEWEST,
+                 forget_joined_after_s: float = 30.0):
+        self.forget_joined_after_s = forget_joined_after_s
+        self.drained_instances: set[str] = set()      # joined workers drained by an admin: they stay out
         self.prefills = [Worker(u, "prefill") for u in prefill_urls]
         self.decodes = [Worker(u, "decode") for u in decode_urls]
         self.on_change = on_change
@@ -120,29 +130,40 @@ class WorkerPool:
         return [role for role in ("prefill", "decode") if not any(w.healthy for w in self.serving(role))]
 
     # -- the set of workers, changed at run time (the router's /admin/workers) -----------------------
-    def add(self, role: str, url: str) -> Worker:
+    def add(self, role: str, url: str, instance: str | None = None) -> Worker:
         """A new worker, in rotation at once (healthy until a poll says otherwise, as at start). Adding
-        a worker that is draining takes it back; adding one that is there is a no-op."""
+        a worker that is draining takes it back; adding one that is there is a no-op. `instance`: the
+        worker added itself (joined), as this run of it; it is forgotten once unreachable for
+        forget_joined_after_s (a worker named by the operator stays, unhealthy, until a poll finds it
+        back), and once drained (remove) that run of it is refused: its next "I am here" must not undo
+        the drain."""
         assert role in ("prefill", "decode"), role
+        if instance is not None and instance in self.drained_instances:
+            raise ValueError(f"{url} was drained from the pool: this run of it does not join again (a restarted "
+                             "worker does)")
         worker = self.find(url)
         if worker is not None:
             if worker.role != role:
                 raise ValueError(f"{url} is already in the pool as a {worker.role} worker")
-            worker.draining = False
+            if instance is None or not worker.draining:     # (a joined one's own "I am here" undoes no drain)
+                worker.draining = False
             return worker
-        worker = Worker(url, role)
+        worker = Worker(url, role, joined=instance is not None, instance=instance)
         self.of(role).append(worker)
         self.on_change(worker)
         return worker
 
-    def remove(self, url: str) -> Worker:
+    def remove(self, url: str, for_good: bool = True) -> Worker:
         """Drain `url`: no new requests from now on; it leaves the pool when its last one finishes.
-        The last worker of a role cannot be removed (add its replacement first)."""
+        The last worker of a role cannot be removed (add its replacement first). `for_good`: a joined
+        worker's run is not taken back when it says again that it is there."""
         worker = self.find(url)
         if worker is None:
             raise KeyError(url)
         if not any(w is not worker for w in self.serving(worker.role)):
             raise ValueError(f"{worker} is the last {worker.role} worker in the pool; add another one first")
+        if for_good and worker.instance is not None:
+            self.drained_instances.add(worker.instance)
         worker.draining = True
         if worker.in_flight == 0:
             self._drop(worker)
@@ -158,13 +179,14 @@ class WorkerPool:
     async def check(self, upstream: Upstream, worker: Worker) -> dict:
         try:
             status, data = await upstream.call("GET", worker.url + "/health", timeout=2.0)
-            worker.healthy = status == 200
+            worker.healthy, worker.unreachable_since = status == 200, None
             worker.last_health = data if isinstance(data, dict) else {}
             worker.routed_since_poll = 0
             worker.load = int(worker.last_health.get("num_running", 0)) + int(worker.last_health.get("num_waiting", 0))
             status = {"status": "ok" if worker.healthy else "error", **worker.last_health}
         except (UpstreamError, ValueError, TypeError) as e:   # TypeError: counts that are not numbers
             worker.healthy = False
+            worker.unreachable_since = worker.unreachable_since or time.monotonic()
             self.prefix.forget(worker.url)      # it may have died: whatever it had cached is gone
             status = {"status": "unreachable", "error": describe(e)}
         return {**status, "url": worker.url, "role": worker.role, "in_flight": worker.in_flight,
@@ -173,9 +195,26 @@ class WorkerPool:
     async def check_all(self, upstream: Upstream) -> list[dict]:
         return await asyncio.gather(*(self.check(upstream, w) for w in self.workers))
 
+    def forget_vanished(self, now: float) -> list[Worker]:
+        """Drain every joined worker unreachable for forget_joined_after_s (it died without leaving;
+        if it comes back it joins again), except the last of its role."""
+        gone = []
+        for worker in self.workers:
+            if worker.joined and not worker.draining and worker.unreachable_since is not None \
+                    and now - worker.unreachable_since >= self.forget_joined_after_s:
+                try:
+                    self.remove(worker.url, for_good=False)
+                except ValueError:
+                    continue
+                log.warning("forgot %s: unreachable for %.0f s (it joined by itself; it may join again)",
+                            worker, now - worker.unreachable_since)
+                gone.append(worker)
+        return gone
+
     async def poll(self, upstream: Upstream, interval: float) -> None:
         while True:
             await self.check_all(upstream)
+            self.forget_vanished(time.monotonic())
             polled, self._polled = self._polled, asyncio.Event()
             polled.set()
             await asyncio.sleep(interval)
