@@ -246,6 +246,20 @@ def test_weights_packed_together_equal_each_packed_alone_in_read_order_on_aligne
     assert fresh.data_ptr() % kernels.HUGE_PAGE == 0 and not fresh.any()
 
 
+def test_fp32_weights_placed_together_keep_their_values_in_read_order():
+    """place_together: each PackedLinear's panels, unchanged, back to back in one region that starts on
+    a huge page; the linear computes what it did."""
+    g = torch.Generator().manual_seed(6)
+    linears = [kernels.PackedLinear(torch.randn(n, k, generator=g), None) for n, k in ((960, 576), (41, 136))]
+    x = torch.randn(3, 576, generator=g)
+    before, y = [l.panels.clone() for l in linears], linears[0](x)
+    kernels.place_together(linears)
+    assert all(torch.equal(l.panels, b) for l, b in zip(linears, before))
+    assert linears[0].panels.data_ptr() % kernels.HUGE_PAGE == 0
+    assert linears[1].panels.data_ptr() == linears[0].panels.data_ptr() + linears[0].panels.numel() * 4
+    assert torch.equal(linears[0](x), y) and dict(linears[0].named_buffers())["panels"] is linears[0].panels
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_bf16_fused_decode_step_gives_the_reference_logits(bias):
     """bf16 weights and a bf16 K/V pool: decode_layer (fp32 activations, each matmul's input rounded to

@@ -388,6 +388,9 @@ class LlamaModel(nn.Module):
             attn.paged_kernel = layer.fused_norms = True
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_head = kernels.PackedLinear(head.detach(), None)
+        kernels.place_together([linear for layer in self.layers for linear in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            + [self.packed_head])
         self.fused_decode = self._fused_decode()
         self.row_wise_prefill = self.fused_decode is not None
         if self.lm_head is None:
