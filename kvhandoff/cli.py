@@ -223,6 +223,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.device = "cpu"     # auto: never a GPU here, whatever the machine has (see above)
         if not secret:
             raise SystemExit(f"--role {args.role} needs the deployment secret: --kv-secret or ${SECRET_ENV}")
+        if (args.kv_host or args.host) in ("0.0.0.0", "::", ""):
+            raise SystemExit(f"kvhandoff serve: the KV agent would listen on {args.kv_host or args.host} and could "
+                             "not tell its peers where to connect: pass --kv-host ADDRESS, this machine's address "
+                             "as the other workers see it")
         worker_name = f"{args.role}-{args.port}-{os.getpid()}"
         agent = TransferAgent(worker_name, secret, backend=args.kv_backend, listen_host=args.kv_host or args.host,
                               shm_dir=args.kv_shm_dir, protocol=PROTOCOL)

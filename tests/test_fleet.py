@@ -197,13 +197,16 @@ def test_hand_started_workers_join_the_router_and_leave_it_by_draining_or_dying(
     """`kvhandoff serve --role decode --join ROUTER`: two workers started by hand add themselves to a
     running `up` stack's router and serve its requests (the colocated tokens); one stopped with SIGTERM
     drains itself at once; one SIGKILLed is forgotten after --forget-joined-after-s of failed polls. The
-    stack serves throughout. Bad --join set-ups are refused before anything starts."""
+    stack serves throughout. Bad --join set-ups are refused before anything starts (and a KV agent
+    that would listen on every address without one to tell its peers)."""
     stack = up(tmp_path, "pull", "--health-interval", "0.2", "--forget-joined-after-s", "3")
     admin, joiners = stack.url + "/admin/workers", []
     try:
         for bad, why in ((["--role", "both"], "--role prefill or decode"),
                          (["--role", "decode", "--host", "0.0.0.0"], "--advertise-url"),
-                         (["--role", "decode", "--advertise-url", "h:1"], "http://ADDRESS:PORT")):
+                         (["--role", "decode", "--advertise-url", "h:1"], "http://ADDRESS:PORT"),
+                         (["--role", "decode", "--host", "0.0.0.0", "--advertise-url", "http://127.0.0.1:9"],
+                          "--kv-host ADDRESS")):
             out = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "serve", *ENGINE, "--kv-secret", SECRET,
                                   "--join", stack.url, *bad], capture_output=True, text=True, timeout=60)
             assert out.returncode != 0 and why in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
