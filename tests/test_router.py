@@ -645,6 +645,7 @@ def test_joined_workers_leave_for_good_when_drained_and_are_forgotten_when_they_
     assert pool.forget_vanished(105.0) == [again] and pool.find("http://d1") is None
     assert [w.url for w in pool.decodes] == ["http://d0"]           # named by the operator: kept, unhealthy
     back = pool.add("decode", "http://d1", instance="run-2")        # reachable again: it joins again
+    assert pool.add("decode", "http://d1", instance="run-3") is back and back.instance == "run-3"   # restarted
     pool.remove("http://d0", for_good=False)
     back.unreachable_since = 0.0
     assert pool.forget_vanished(1e6) == [] and pool.find("http://d1") is back     # the last decode worker

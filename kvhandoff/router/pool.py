@@ -147,6 +147,8 @@ class WorkerPool:
                 raise ValueError(f"{url} is already in the pool as a {worker.role} worker")
             if instance is None or not worker.draining:     # (a joined one's own "I am here" undoes no drain)
                 worker.draining = False
+            if worker.joined and instance is not None:
+                worker.instance = instance      # restarted on its URL before this pool forgot it
             return worker
         worker = Worker(url, role, joined=instance is not None, instance=instance)
         self.of(role).append(worker)
