@@ -212,7 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "both":
         engine = LLMEngine(engine_config(args))
     else:
-        from kvhandoff.transfer.agent import TransferAgent
+        from kvhandoff.transfer.agent import WILDCARD_HOSTS, TransferAgent
         from kvhandoff.wire.messages import PROTOCOL
         # A worker's KV pool is a host shared-memory tensor its peers copy from; a pool on the GPU with
         # transfers staged through pinned host memory is not built (nor tested on a GPU machine).
@@ -223,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.device = "cpu"     # auto: never a GPU here, whatever the machine has (see above)
         if not secret:
             raise SystemExit(f"--role {args.role} needs the deployment secret: --kv-secret or ${SECRET_ENV}")
-        if (args.kv_host or args.host) in ("0.0.0.0", "::", ""):
+        if (args.kv_host or args.host) in WILDCARD_HOSTS:
             raise SystemExit(f"kvhandoff serve: the KV agent would listen on {args.kv_host or args.host} and could "
                              "not tell its peers where to connect: pass --kv-host ADDRESS, this machine's address "
                              "as the other workers see it")

@@ -42,9 +42,13 @@ class Worker:
     routed_since_poll: int = 0   # requests this router sent it since its last /health answer
     tokens_in_flight: int = 0    # prompt tokens of this router's requests it holds (when known)
     last_health: dict = field(default_factory=dict)
-    joined: bool = False         # it added itself (`serve --join`): forgotten once unreachable for long
-    instance: str | None = None  # ... and this run of it (a restarted worker is another)
+    instance: str | None = None  # the run of a worker that added itself (`serve --join`); a restart is another
     unreachable_since: float | None = None    # monotonic time of the first failed poll in a row
+
+    @property
+    def joined(self) -> bool:
+        """It added itself: forgotten once unreachable for long (forget_vanished)."""
+        return self.instance is not None
 
     def __str__(self) -> str:         # how messages and logs name it
         return f"{self.role} worker {self.url}"
@@ -150,7 +154,7 @@ class WorkerPool:
             if worker.joined and instance is not None:
                 worker.instance = instance      # restarted on its URL before this pool forgot it
             return worker
-        worker = Worker(url, role, joined=instance is not None, instance=instance)
+        worker = Worker(url, role, instance=instance)
         self.of(role).append(worker)
         self.on_change(worker)
         return worker

@@ -38,6 +38,7 @@ from kvhandoff.transfer.protocol import Kind, byte_views
 from kvhandoff.transfer.tcp import Channel, Inbound, Server, client_handshake, connect
 
 log = logging.getLogger(__name__)
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")     # bind every interface: no address a peer can connect to
 
 
 class Backend(StrEnum):
@@ -130,7 +131,7 @@ class TransferAgent:
                               welcome=self._grant_table, on_notify=self._deliver, on_closed=self._inbound_closed,
                               peer_timeout_s=peer_timeout_s, handshake_timeout_s=connect_timeout_s,
                               protocol=protocol)
-        if advertise_host is None and listen_host in ("0.0.0.0", "::", ""):
+        if advertise_host is None and listen_host in WILDCARD_HOSTS:
             self._server.close()
             raise ValueError("listening on every interface: pass advertise_host, the address peers connect to")
         if listen_host not in ("127.0.0.1", "localhost", "::1"):

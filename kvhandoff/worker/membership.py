@@ -18,11 +18,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvhandoff.transfer.agent import WILDCARD_HOSTS
 from kvhandoff.wire.auth import control_headers
 
 log = logging.getLogger("kvhandoff.join")
 REFRESH_S = 10.0
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def advertised_url(host: str, port: int, advertise: str | None) -> str:
