@@ -338,7 +338,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                               bidirectional=args.bidirectional, decode_policy=args.decode_policy,
                               prefill_policy=args.prefill_policy, disagg_min_tokens=args.disagg_min_tokens,
                               late_binding=args.late_binding, migration_limit=args.migration_limit,
-                              forget_joined_after_s=args.forget_joined_after_s)
+                              forget_joined_after_s=args.forget_joined_after_s,
+                              shared_sessions=args.shared_sessions)
     except ValueError as e:
         raise SystemExit(f"kvhandoff router: {e}")
     app = build_router_app(config)
@@ -348,12 +349,16 @@ def cmd_router(args: argparse.Namespace) -> int:
             args.host)
 
     def ready(url: str) -> None:
+        front = f" and the shared front port {args.front_port}" if args.front_port is not None else ""
         print(f"kvhandoff: router ({args.mode}; prefill {','.join(config.prefill_urls)}; decode "
-              f"{','.join(config.decode_urls)}) at {url}/v1 (health {url}/health, metrics {url}/metrics)", flush=True)
+              f"{','.join(config.decode_urls)}) at {url}/v1{front} (health {url}/health, metrics {url}/metrics)",
+              flush=True)
     try:
-        serve_forever(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+        serve_forever(app, args.host, args.port, log_level=args.log_level, on_ready=ready, shared_port=args.front_port)
     except KeyboardInterrupt:
         pass
+    except OSError as e:
+        raise SystemExit(f"kvhandoff router: {e}") from None
     return 0
 
 
@@ -415,7 +420,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        "--forget-joined-after-s", str(args.forget_joined_after_s)] + key_args
         cfg = LaunchConfig(mode=args.mode, worker_args=worker_args, router_args=router_args,
                            prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),
-                           num_prefill=args.prefill, num_decode=args.decode,
+                           num_prefill=args.prefill, num_decode=args.decode, num_routers=args.routers,
                            host=args.host, port=args.port, threads=args.threads, cores=args.cores,
                            log_level=args.log_level, startup_timeout=args.startup_timeout,
                            max_restarts=args.max_restarts, child_args=parse_child_args(args.worker_args),
@@ -629,6 +634,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-turn reuse: remember where each conversation's KV is kept (X-Session-Id header, "
                         "session_id field, or prompt block-hash match) and have the next turn's prefill read it "
                         "back; the workers need --bidirectional too")
+    g = p.add_argument_group("more than one router (docs/DEPLOY.md)")
+    g.add_argument("--shared-sessions", action="store_true",
+                   help="with --bidirectional, when other routers serve the same workers: ask the decode workers "
+                        "where a conversation's history is kept at each turn (another router may have served "
+                        "the last one), instead of this router's own map")
+    g.add_argument("--front-port", type=int, default=None, metavar="PORT",
+                   help="listen on this port too, shared with the other routers on this machine that are given "
+                        "it (SO_REUSEPORT; same user): the kernel spreads client connections over them")
     add_policy_args(p)
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_router)
@@ -639,6 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="colocated runs one worker on the front port, without a router")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default: %(default)s)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="routers sharing the front port (SO_REUSEPORT: the kernel spreads connections over them); "
+                        "with more than one, each has a port of its own too, a dead one is restarted while the "
+                        "others serve, and they find conversations through the decode workers (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for every /health (default: %(default)s)")
     p.add_argument("--retry-colocated", action="store_true",

@@ -3,7 +3,10 @@ reads it back. Engine and policy pieces first, then whole stacks (`kvhandoff up 
 multi-turn greedy outputs must equal a fresh colocated server's for every full prompt."""
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +15,7 @@ import pytest
 from conftest import ServerProcess
 from test_engine import Recorder
 from test_engine import run_until_finished as finish
-from test_router import start_up
+from test_router import start_up, wait_until
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.block_pool import hash_chain
@@ -24,6 +27,8 @@ from kvhandoff.wire.cost import CostModel, PrefillCost, decide, fit_prefill_cost
 from kvhandoff.wire.cost import ReuseConfig
 from kvhandoff.wire.messages import ReuseCandidate
 
+ROUTER_STARTED = re.compile(r"^kvhandoff up: started (?P<name>router-\d+) \(pid (?P<pid>\d+), (?P<url>http://[^,)]+)",
+                            re.M)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -212,12 +217,13 @@ def colocated(tmp_path_factory):
     server.stop()
 
 
-def conversation(url: str, reference: str, turns: int, seed: int, session: str | None) -> list[dict]:
+def conversation(url: str | list[str], reference: str, turns: int, seed: int, session: str | None) -> list[dict]:
     """`turns` turns, each prompt = the previous prompt + its answer + ~40 new words; every answer is
-    checked against the reference; returns the handoff objects."""
+    checked against the reference; returns the handoff objects. Several URLs: turns go to each in turn."""
     prompt, reports = words(120, seed), []
+    urls = [url] if isinstance(url, str) else url
     for turn in range(turns):
-        got = complete(url, prompt, session)
+        got = complete(urls[turn % len(urls)], prompt, session)
         expected = complete(reference, prompt)["choices"][0]["text"]
         assert got["choices"][0]["text"] == expected, f"turn {turn + 1} differs from colocated"
         reports.append(got["handoff"])
@@ -259,6 +265,35 @@ def test_four_turns_reuse_the_history(mode, colocated, tmp_path):
         assert report["reuse_decision"]["decision"] == "recompute" and "floor" in report["reuse_decision"]["reason"]
         metrics = httpx.get(decode_health(up.url)["url"] + "/metrics", timeout=10).text
         assert "kvhandoff_retained_sessions" in metrics and 'kvhandoff_retention_events_total{event="reuse_hits"}' in metrics
+    finally:
+        assert up.stop() == 0, up.text()[-3000:]
+
+
+def test_two_routers_find_every_conversation_whichever_served_its_last_turn(colocated, tmp_path):
+    """`kvhandoff up --routers 2 --bidirectional`: turns alternate between the two routers (each on
+    its own port), named and anonymous, and every later turn reads its history back from the decode
+    worker the other router left it on. SIGKILL one router: the shared front port keeps serving (and
+    reusing) through the other, and `up` restarts the dead one, which finds the conversations too."""
+    up = start_up(tmp_path, "push", *ENGINE, *NO_PREFILL_CACHE, "--decode", "2", "--routers", "2",
+                  "--bidirectional", "--reuse-policy", "always")
+    routers = {m["name"]: (int(m["pid"]), m["url"]) for m in ROUTER_STARTED.finditer(up.text())}
+    try:
+        assert set(routers) == {"router-0", "router-1"} and up.url not in {u for _, u in routers.values()}
+        urls = [routers["router-0"][1], routers["router-1"][1]]
+        for session, seed in (("two-routers", 60), (None, 61)):
+            reports = conversation(urls, colocated.url, 4, seed=seed, session=session)
+            for turn, report in enumerate(reports[1:], start=2):
+                assert report["reuse_decision"]["decision"] == "fetch" and report["reused_tokens"] >= 128, \
+                    (session, turn, report["reuse_decision"])
+        os.kill(routers["router-0"][0], signal.SIGKILL)
+        # The front: whichever router the kernel hands the connection to; router-1 alone while router-0 is down.
+        reports = conversation([up.url], colocated.url, 2, seed=62, session="front")
+        assert reports[1]["reuse_decision"]["decision"] == "fetch", reports[1]["reuse_decision"]
+        wait_until(lambda: re.search(r"up: router-0 \(pid \d+, [^)]*\) is serving again", up.text()),
+                   "router-0 was not restarted", timeout=60)
+        restarted = conversation([routers["router-1"][1], routers["router-0"][1]], colocated.url, 2, seed=63,
+                                 session="after-restart")
+        assert restarted[1]["reuse_decision"]["decision"] == "fetch", restarted[1]["reuse_decision"]
     finally:
         assert up.stop() == 0, up.text()[-3000:]
 

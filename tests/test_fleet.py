@@ -332,19 +332,26 @@ OTHER = [(n * 17) % 450 + 5 for n in range(200)]
 
 @pytest.mark.parametrize("policy", [p.value for p in PrefillPolicy])
 def test_cache_aware_prefill_goes_where_the_prefix_is_cached(tmp_path, fleet, reference, policy):
+    """The prefixes go through one router and their continuations through another: a cache-aware
+    router learns what each prefill worker holds from the worker, whoever sent the prompt there."""
     router = fleet_router(tmp_path, fleet, "--prefill-policy", policy)
+    (tmp_path / "other").mkdir()
+    other = fleet_router(tmp_path / "other", fleet, "--prefill-policy", policy)
     try:
         for i in (0, 5, 9):
             assert post(router, PROMPTS[i], SHORT)["choices"][0]["text"] == reference[SHORT][i], f"{policy}: prompt {i}"
-        for base in (LONG, OTHER):
+        # Prompts of this policy's own: the workers' caches still hold what the other policy's run sent.
+        shift = [p.value for p in PrefillPolicy].index(policy)
+        for base in ([(t + 50 * shift) % 450 + 3 for t in LONG], [(t + 50 * shift) % 450 + 5 for t in OTHER]):
             home = post(router, base, 4)["handoff"]["prefill_worker"]
-            again = [post(router, base + [7 + k, 11 + k], 4)["handoff"]["prefill_worker"] for k in range(3)]
+            again = [post(other, base + [7 + k, 11 + k], 4)["handoff"]["prefill_worker"] for k in range(3)]
             if policy == "cache-aware":
                 assert again == [home] * 3, (home, again)
             else:                                     # fewest-in-flight takes idle workers in turn
                 assert set(again) == set(fleet[0]), (home, again)
     finally:
         router.stop()
+        other.stop()
 
 
 def test_selective_disaggregation_computes_short_prompts_on_the_decode_worker(tmp_path, fleet, reference):

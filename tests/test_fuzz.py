@@ -114,13 +114,14 @@ def test_public_endpoints_leave_nothing_behind(public):
 
 
 CONTROL_PATHS = ["/kv/register", "/kv/rebind", "/kv/release", "/kv/cancel", "/kv/failed", "/kv/retained/lease",
-                 "/kv/retained/release", "/kv/prompt"]
+                 "/kv/retained/release", "/kv/retained/find", "/kv/prompt"]
 control_bodies = st.one_of(values, st.fixed_dictionaries({}, optional={
     "handoff_id": st.one_of(st.text(max_size=12), values), "retention_id": st.one_of(st.text(max_size=12), values),
     "num_blocks": st.one_of(st.integers(-3, 10**12), values), "agent_metadata": values,
     "block_ids": st.one_of(st.lists(st.integers(-5, 10**9), max_size=5), values),
     "num_kv_tokens": values, "prompt_hash": values, "ttl_ms": values, "skip_blocks": values,
-    "binding": st.one_of(st.integers(-2, 3), values), "reason": values, "prefill_answered": values, "recompute": values, "endpoint": values, "request": values}))
+    "binding": st.one_of(st.integers(-2, 3), values), "reason": values, "prefill_answered": values, "recompute": values, "endpoint": values, "request": values,
+    "session": values, "block_hashes": st.one_of(st.lists(st.text(max_size=8), max_size=4), values)}))
 
 
 @FUZZ
@@ -134,6 +135,7 @@ def test_control_endpoints_never_5xx(workers, path, body, role):
     "handoff_id": st.text(max_size=8), "mode": st.one_of(st.sampled_from(["pull", "push", "push-layerwise"]), values),
     "role": st.one_of(st.sampled_from(["prefill", "decode"]), values), "remote": values,
     "prefill_url": values, "decode_url": values, "binding": values, "reuse": values, "retain": values, "supersedes": values,
+    "session": values,
     "protocol_version": st.one_of(st.just(PROTOCOL_VERSION), values)}),
     role=st.sampled_from(["prefill", "decode"]))
 def test_kv_transfer_params_never_5xx(workers, params, role):

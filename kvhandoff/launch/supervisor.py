@@ -10,6 +10,12 @@ crash loop: a bad flag, a model that does not load); the stack stops only when a
 left, when the router dies, or on Ctrl-C or SIGTERM (router first, so no new work arrives; SIGKILL
 after a grace period).
 
+`--routers N` (N > 1) starts N routers that all listen on the front port (SO_REUSEPORT: the kernel
+spreads client connections over them) and each on a port of its own, where the supervisor checks it.
+A router that dies is then restarted like a worker, and the others serve meanwhile; its own
+in-flight requests end with it. With --bidirectional they find each conversation through the decode
+workers (`--shared-sessions`), so a turn may land on any of them.
+
 Colocated mode runs one plain worker that serves the front port itself, with no router in front: the
 baseline disaggregation is measured against is the plain server, not the plain server plus a hop.
 
@@ -59,6 +65,7 @@ class LaunchConfig:
     decode_args: list[str] = field(default_factory=list)   # flags for decode workers only
     num_prefill: int = 1
     num_decode: int = 1
+    num_routers: int = 1             # > 1: routers sharing the front port, each restarted like a worker
     host: str = "127.0.0.1"          # the front (router, or the colocated worker) binds here
     port: int = 8000                 # 0 picks a free one
     threads: int = 0                 # per worker; 0 = match the cores it owns
@@ -74,6 +81,10 @@ class LaunchConfig:
     def __post_init__(self):
         assert self.mode in STACK_MODES, f"mode must be one of {STACK_MODES}"
         assert self.num_prefill >= 1 and self.num_decode >= 1, "at least one prefill and one decode worker"
+        if self.num_routers < 1:
+            raise ValueError("--routers must be >= 1")
+        if self.num_routers > 1 and self.mode == COLOCATED:
+            raise ValueError("--routers is for the disaggregated modes; colocated runs no router")
         names = worker_names(self)
         unknown = sorted(set(self.child_args) - set(names))
         if unknown:
@@ -236,11 +247,27 @@ def plan(cfg: LaunchConfig, link: EmulatedLink | None = None) -> list[Child]:
                                      "--threads", str(threads))
         children.append(Child(name, cmd, f"http://{whost}:{wport}", share))
     urls = lambda role: ",".join(c.url for c in children if c.name.startswith(role))
-    children.append(Child("router", kvhandoff_cmd("router", "--prefill", urls("prefill"), "--decode", urls("decode"),
-                                                  "--mode", cfg.mode, "--host", cfg.host, "--port", str(port),
-                                                  *common, *cfg.router_args),
-                          f"http://{host_in_url}:{port}"))
+    router = ["router", "--prefill", urls("prefill"), "--decode", urls("decode"), "--mode", cfg.mode, "--host", cfg.host,
+              *common, *cfg.router_args]
+    if cfg.num_routers == 1:
+        children.append(Child("router", kvhandoff_cmd(*router, "--port", str(port)), f"http://{host_in_url}:{port}"))
+        return children
+    # Several: each on a port of its own (the supervisor's health checks, an operator's look at one
+    # router) and on the shared front port; sessions are found through the decode workers.
+    shared = ["--front-port", str(port)] + (["--shared-sessions"] if "--bidirectional" in cfg.router_args else [])
+    for i in range(cfg.num_routers):
+        rport = free_port()
+        children.append(Child(f"router-{i}", kvhandoff_cmd(*router, "--port", str(rport), *shared),
+                              f"http://{host_in_url}:{rport}"))
     return children
+
+
+def front_url(cfg: LaunchConfig, children: list[Child]) -> str:
+    """Where clients go: the one router's (or colocated worker's) URL, or the routers' shared port."""
+    last = children[-1]
+    if last.role != "router" or cfg.num_routers == 1:
+        return last.url
+    return last.url.rsplit(":", 1)[0] + ":" + last.cmd[last.cmd.index("--front-port") + 1]
 
 
 def spawn(child: Child, env: dict[str, str]) -> None:
@@ -285,7 +312,8 @@ def on_death(child: Child, cfg: LaunchConfig, now: float) -> None:
 
 
 def reap(children: list[Child], cfg: LaunchConfig, now: float) -> None:
-    """Notice dead children. The router's death ends the stack; a worker's does not."""
+    """Notice dead children. The one router's death ends the stack; a worker's does not, nor one of
+    several routers' (the others serve the shared port while it restarts)."""
     for child in children:
         if child.given_up or child.restart_at is not None or child.proc.poll() is None:
             continue
@@ -294,8 +322,8 @@ def reap(children: list[Child], cfg: LaunchConfig, now: float) -> None:
         on_death(child, cfg, now)
     for role in {c.role for c in children if c.name != "router"}:
         if all(c.given_up for c in children if c.role == role):
-            raise StackDown(f"every {'' if role == 'worker' else role + ' '}worker has been given up; "
-                            "nothing can be served")
+            what = {"worker": "worker", "router": "router"}.get(role, role + " worker")
+            raise StackDown(f"every {what} has been given up; nothing can be served")
 
 
 def poll_ready(children: list[Child], client: httpx.Client) -> list[Child]:
@@ -318,16 +346,20 @@ def router_sees_ready(children: list[Child], client: httpx.Client) -> bool:
     before it listened and will not look again for up to --health-interval: announcing the stack before
     that sent every first request to the workers that happened to start first (a CI run once put all 8
     streams on one of two decode workers). The router's /health polls every worker afresh."""
-    router = children[-1]
-    assert router.name == "router" or len(children) == 1
-    if len(children) == 1:
-        return True
-    try:
-        reports = client.get(router.url + "/health").json().get("workers", [])
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return False
-    healthy = {r.get("url") for r in reports if isinstance(r, dict) and r.get("status") == "ok"}
-    return all(c.url in healthy for c in children[:-1] if c.ready)
+    routers = [c for c in children if c.role == "router"]
+    assert routers or len(children) == 1
+    workers = [c for c in children if c.role != "router"]
+    for router in routers:
+        if router.given_up:
+            continue
+        try:
+            reports = client.get(router.url + "/health").json().get("workers", [])
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False
+        healthy = {r.get("url") for r in reports if isinstance(r, dict) and r.get("status") == "ok"}
+        if not all(c.url in healthy for c in workers if c.ready):
+            return False
+    return True
 
 
 def supervise(children: list[Child], cfg: LaunchConfig, env: dict[str, str]) -> None:
@@ -349,7 +381,7 @@ def supervise(children: list[Child], cfg: LaunchConfig, env: dict[str, str]) -> 
             if not serving:
                 if all(c.ready or c.given_up for c in children) and router_sees_ready(children, client):
                     serving = True
-                    front = children[-1].url
+                    front = front_url(cfg, children)
                     print(f"kvhandoff: serving '{served_name(front)}' at {front}/v1 (mode {cfg.mode}; health "
                           f"{front}/health, metrics {front}/metrics; Ctrl-C stops everything)", flush=True)
                 elif now > deadline:
@@ -370,7 +402,7 @@ def stop(children: list[Child], timeout: float) -> None:
     """SIGTERM the router first, then the workers; SIGKILL whatever is left after `timeout`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C must not cut the cleanup short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ordered = sorted((c for c in children if c.proc), key=lambda c: c.name != "router")
+    ordered = sorted((c for c in children if c.proc), key=lambda c: c.role != "router")
     for child in ordered:
         if child.proc.poll() is None:
             child.proc.terminate()

@@ -25,7 +25,7 @@ from kvhandoff.router.attempt import Attempt, Phase, rewrite_final
 from kvhandoff.router.errors import Relay, deadline_error, describe
 from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, uncached_tokens
 from kvhandoff.router.pool import Worker, WorkerPool
-from kvhandoff.router.prefix import prompt_facts
+from kvhandoff.router.prefix import PromptFacts, prompt_facts
 from kvhandoff.router.relay import relay_events
 from kvhandoff.router.retry import retry_elsewhere
 from kvhandoff.router.sessions import Sessions
@@ -58,6 +58,10 @@ class RouterConfig:
     # Bidirectional reuse: decode workers keep each finished turn's KV, this router remembers where
     # (sessions.py), and the next turn's prefill reads it back instead of recomputing the history.
     bidirectional: bool = False
+    # More than one router: where a conversation's history is kept is asked of the decode workers at
+    # each turn (all at once, /kv/retained/find), since another router may have served the last turn;
+    # one router alone trusts its own map (no round trip).
+    shared_sessions: bool = False
     decode_policy: DecodePolicy = DecodePolicy.FEWEST     # policies.py
     prefill_policy: PrefillPolicy = PrefillPolicy.FEWEST
     # Selective disaggregation: a prompt with fewer uncached tokens than this is computed colocated on a
@@ -223,8 +227,8 @@ class Router:
         """The client's response: a stream relayed from the decode worker, or its whole JSON answer."""
         if self.config.bidirectional:
             attempt.candidate = await self.sessions.find(attempt)
-        if attempt.facts is None and (self.config.prefill_policy is PrefillPolicy.CACHE or self.config.disagg_min_tokens):
-            attempt.facts = await prompt_facts(self, attempt)
+        if self.config.prefill_policy is PrefillPolicy.CACHE or self.config.disagg_min_tokens:
+            await self.prompt_facts(attempt)
         leg = self.colocated_leg if self.short(attempt) else self.leg
         while True:
             try:
@@ -245,6 +249,14 @@ class Router:
         elif isinstance(data.get("handoff"), dict):
             rewrite_final(attempt, data, await attempt.merge(data["handoff"]))
         return JSONResponse(data)
+
+    async def prompt_facts(self, attempt: Attempt) -> PromptFacts | None:
+        """The prompt's tokens and block hashes, fetched once per request (the policies and the session
+        lookup share them), with what every prefill worker caches of it when a policy weighs that."""
+        if attempt.facts is None:
+            every = self.config.prefill_policy is PrefillPolicy.CACHE or bool(self.config.disagg_min_tokens)
+            attempt.facts = await prompt_facts(self, attempt, every_worker=every)
+        return attempt.facts
 
     def short(self, attempt: Attempt) -> bool:
         """Selective disaggregation: too few tokens to compute for a handoff to pay. Not for a turn

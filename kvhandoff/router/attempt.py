@@ -329,6 +329,8 @@ class Attempt:
             extra["reuse"] = self.candidate.candidate()
         if bidirectional and role == "decode" and not extra.get("colocated"):
             extra["retain"] = True
+            if self.session_id is not None:
+                extra["session"] = self.session_id      # kept with the turn: any router finds it by it
             if self.candidate is not None and self.candidate.decode_url == self.decode.url:
                 extra["supersedes"] = self.candidate.retention_id
         body = self.body

@@ -19,10 +19,10 @@ Prefill:
 - `fewest-in-flight` (default), as above.
 - `cache-aware`: the prefill worker whose prefix cache should hold the longest part of the prompt,
   weighed against its queue: cost = the prompt's tokens it would compute (those past the blocks it
-  holds, as prefix.py estimates) + the tokens it still has to prefill (what it reported, or the
-  prompts this router has on it now if more). Costs the request one /kv/prompt round trip to a
-  prefill worker (which tokenizes and hashes the prompt; shared with bidirectional reuse's session
-  lookup); without an answer it falls back to fewest-in-flight.
+  holds, as each worker says: prefix.py) + the tokens it still has to prefill (what it reported, or
+  the prompts this router has on it now if more). Costs the request one /kv/prompt round trip to
+  every prefill worker at once (each tokenizes and hashes the prompt and looks in its cache; shared
+  with bidirectional reuse's session lookup); without an answer it falls back to fewest-in-flight.
   With `--bidirectional`, for a turn whose history a decode worker retains, the cost is in
   estimated milliseconds and each prefill worker has two ways (`reuse_estimate`): compute the
   prompt past what its own cache holds, or fetch the retained blocks it lacks (at least the reuse
@@ -94,7 +94,7 @@ def late_binding_target(current: Worker, workers: list[Worker],
 
 
 def uncached_tokens(worker: Worker, facts: PromptFacts, index: PrefixIndex) -> int:
-    return max(0, facts.num_tokens - index.cached_blocks(worker.url, facts.block_hashes) * facts.block_size)
+    return max(0, facts.num_tokens - facts.cached_blocks(worker.url, index) * facts.block_size)
 
 
 def queued_prefill_tokens(worker: Worker) -> int:
@@ -110,7 +110,7 @@ def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, histo
     in /health: wire.cost.CostModel's prefill cost, reverse-read bandwidth and fixed cost; its
     defaults before the worker has measured any)."""
     bs, limit = facts.block_size, (facts.num_tokens - 1) // facts.block_size
-    cached = min(index.cached_blocks(worker.url, facts.block_hashes), limit)
+    cached = min(facts.cached_blocks(worker.url, index), limit)
     fetchable = min(common_prefix_blocks(facts.block_hashes, history), limit)
     model = CostModel.from_rates(worker.last_health.get("reuse_rates") or {})
     prefill = model.prefill

@@ -6,15 +6,22 @@ token count, hash chain of the retained tokens, expiry}. Conversations are named
 longest match between the new prompt's block hashes and the retained chains. The map only points:
 the prefill worker re-checks the prefix before it reads anything, so a stale entry costs a recompute,
 never a wrong token.
+
+With more than one router (`--shared-sessions`), a router's map misses the turns the others served,
+so each turn asks every decode worker instead (`/kv/retained/find`, all at once): the workers keep
+each entry with the client's session id and hash chain, and the best answer (that session's newest
+entry, or the longest prefix match) is the candidate. The decode workers are then the one place a
+conversation's whereabouts live; a router that dies loses none of them.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvhandoff.router.prefix import prompt_facts
+from kvhandoff.router.upstream import UpstreamError
 from kvhandoff.wire import messages as M
 
 
@@ -94,6 +101,11 @@ class SessionMap:
         return [self.drop(key) for key, entry in list(self.entries.items()) if entry.expiry <= now]
 
 
+# A decode worker that does not answer a lookup in this long is skipped (its turns are recomputed):
+# the lookup is on every bidirectional turn's critical path.
+FIND_TIMEOUT_S = 2.0
+
+
 class Sessions:
     """The router's side of bidirectional reuse: find a request's history, remember where a turn's
     KV was kept, and tell a worker whose entry moved elsewhere that it can free it."""
@@ -111,16 +123,46 @@ class Sessions:
             self.last_sweep = now
             for entry in self.map.sweep():
                 log.debug("session %s: retained KV expired", entry.key)
+        shared = self.router.config.shared_sessions
         if attempt.session_id is not None:
-            return self.map.get(attempt.session_id)
-        if not len(self.map):
+            return await self.ask_workers(attempt.session_id, []) if shared else self.map.get(attempt.session_id)
+        if not shared and not len(self.map):
             return None
-        if attempt.facts is None:            # fetched once per request: the policies read them too
-            attempt.facts = await prompt_facts(self.router, attempt)
-        if attempt.facts is None:
+        if await self.router.prompt_facts(attempt) is None:
             log.warning("handoff %s: no prompt hashes from a prefill worker: no reuse", attempt.handoff_id)
             return None
-        return self.map.match(attempt.facts.block_hashes)
+        hashes = attempt.facts.block_hashes
+        if shared:
+            return await self.ask_workers(None, hashes) if hashes else None
+        return self.map.match(hashes)
+
+    async def ask_workers(self, session_id: str | None, hashes: list[str]) -> SessionEntry | None:
+        """Every serving decode worker at once: the conversation's newest retained turn (by session id),
+        else the one sharing the most leading blocks with the prompt. Recorded in this router's map
+        too, so that remember() frees it once the turn it serves is kept elsewhere."""
+        query = M.RetainedQuery(session=session_id, block_hashes=hashes).to_dict()
+
+        async def ask(worker) -> tuple[str, M.Retained, int] | None:
+            try:
+                status, data = await self.router.upstream.call("POST", worker.url + "/kv/retained/find", query,
+                                                               timeout=FIND_TIMEOUT_S)
+                found = data.get("retained") if status == 200 and isinstance(data, dict) else None
+                if not isinstance(found, dict):
+                    return None
+                matched = int(found.pop("matched_blocks", 0))
+                return worker.url, M.parse(M.Retained, found, "/kv/retained/find answer"), matched
+            except (UpstreamError, M.MessageError, ValueError, TypeError) as e:
+                log.info("session lookup on %s failed (%s): that worker's turns are recomputed", worker.url, e)
+                return None
+        answers = [a for a in await asyncio.gather(*(ask(w) for w in self.router.pool.serving("decode"))) if a]
+        if not answers:
+            return None
+        url, retained, _ = max(answers, key=lambda a: (a[2], a[1].expires_in_s))
+        key = session_id or f"anon:{retained.retention_id}"
+        entry = SessionEntry(key, url, retained.retention_id, retained.num_tokens, list(retained.block_hashes),
+                             time.monotonic() + retained.expires_in_s, retained.bytes)
+        self.map.record(entry)
+        return entry
 
     def remember(self, attempt, retained: M.Retained | None) -> dict | None:
         """Record where this turn's KV is kept now; forget (and free) the turn it replaces. Returns

@@ -4,6 +4,7 @@ clean up however they end, the latency buckets of both /metrics, and the uvicorn
 from __future__ import annotations
 
 import json
+import socket
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -132,10 +133,29 @@ def endpoint_label(request: Request) -> str:
     return path if path in (COMPLETIONS, CHAT) else "other"
 
 
+def listener(host: str, port: int, shared: bool = False) -> socket.socket:
+    """A listening TCP socket. `shared`: on a port other processes of this user bind too
+    (SO_REUSEPORT): the kernel spreads new connections over them, so several routers serve one front
+    address with no balancer in between, and a router that dies leaves the port to the others."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        what = " (shared with other routers: is a process of another kind, or another user's, on it?)" if shared else ""
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}{what}") from None
+    sock.listen(2048)
+    return sock
+
+
 def serve_forever(app: FastAPI, host: str, port: int, *, log_level: str = "info",
-                  on_ready: Callable[[str], None] | None = None) -> None:
+                  on_ready: Callable[[str], None] | None = None, shared_port: int | None = None) -> None:
     """Run uvicorn in this thread until SIGINT/SIGTERM. On shutdown, in-flight generations are
-    aborted first so open streams end at once instead of holding shutdown hostage."""
+    aborted first so open streams end at once instead of holding shutdown hostage. `shared_port`:
+    listen there too, shared with other processes (listener); `on_ready` gets the own port's URL."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -157,5 +177,8 @@ def serve_forever(app: FastAPI, host: str, port: int, *, log_level: str = "info"
     # a ReadError (seen once under load between the router and a decode worker at uvicorn's 5 s).
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=SERVER_KEEP_ALIVE_S, access_log=log_level == "debug")
-    _Server(config).run()
+    if shared_port is None:
+        _Server(config).run()
+        return
+    _Server(config).run(sockets=[listener(host, port), listener(host, shared_port, shared=True)])
 

@@ -113,6 +113,7 @@ class PullDecodeParams(_Params):
     remote: PullHandoff
     retain: bool = False                # bidirectional: keep this turn's KV when it finishes
     supersedes: str | None = None       # ... replacing this retained turn
+    session: str | None = None          # ... under the client's session id (any router finds it by it)
 
 
 class PushDecodeParams(_Params):
@@ -120,6 +121,7 @@ class PushDecodeParams(_Params):
     binding: int = 0                    # late-bound push: which destination of the handoff this is (Rebind)
     retain: bool = False
     supersedes: str | None = None
+    session: str | None = None
 
 
 class ColocatedParams(_Params):
@@ -208,6 +210,14 @@ class KVFailed(Message):
 class RetainedRef(Message):
     """Router -> decode `/kv/retained/release`: the conversation moved on."""
     retention_id: str
+
+
+class RetainedQuery(Message):
+    """Router -> decode `/kv/retained/find`: is this conversation's history kept here? By the
+    client's session id, else by the longest run of leading block hashes shared with the prompt.
+    Lets any router find what another router's turn left (more than one router)."""
+    session: str | None = None
+    block_hashes: list[str] = []
 
 
 class LeaseRequest(Message):
@@ -319,6 +329,7 @@ class Retained(Message):
     block_hashes: list[str]
     expires_in_s: float
     bytes: int
+    session: str | None = None          # the client's session id it was kept under, if it named one
 
 
 class DecodeReport(Message):

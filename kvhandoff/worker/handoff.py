@@ -318,6 +318,14 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
             lambda: handoff.rt.loop.call(lambda: retention.release(message.retention_id)).result(30))
         return {"released": bool(released)}
 
+    @app.post("/kv/retained/find")
+    async def kv_retained_find(request: Request):
+        """Bidirectional, decode side: does this worker keep the history a router is looking for
+        (by session id or block hashes)? Any router asks, whichever served the previous turn."""
+        message = await control_message(request, secret, M.RetainedQuery, "/kv/retained/find")
+        retention = connector.retention
+        return {"retained": None if retention is None else retention.find(message)}
+
     @app.post("/kv/prompt")
     async def kv_prompt(request: Request):
         """The block hashes a request's prompt has here: the router finds a conversation's retained KV
@@ -330,4 +338,9 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
             raise P.APIError(400, f"not a valid request: {exc.errors()[0].get('msg')}") from None
         ids = server.chat_prompt(parsed) if chat else server.completion_prompt(parsed)
         hashes = hash_chain(ids, handoff.rt.block_size)
-        return {"num_tokens": len(ids), "block_size": handoff.rt.block_size, "block_hashes": [h.hex() for h in hashes]}
+        # What this worker's prefix cache holds of it now, for cache-aware routing by any router. A peek
+        # from the event loop's thread: dict lookups are atomic under the GIL, and a block evicted a
+        # moment later only makes it an estimate (the engine computes what it no longer holds).
+        cached = handoff.rt.loop.engine.pool.cached_prefix_len(hashes)
+        return {"num_tokens": len(ids), "block_size": handoff.rt.block_size, "block_hashes": [h.hex() for h in hashes],
+                "cached_blocks": cached}

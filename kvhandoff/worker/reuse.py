@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from kvhandoff.engine.block_pool import hash_chain
 from kvhandoff.engine.request import RequestOutput, RetainedKV, SamplingParams
 from kvhandoff.wire import messages as M
-from kvhandoff.wire.cost import CostModel, ReuseConfig, ReuseDecision, ReuseWay, decide
+from kvhandoff.wire.cost import CostModel, ReuseConfig, ReuseDecision, ReuseWay, common_prefix_blocks, decide
 from kvhandoff.worker.config import RetentionConfig
 from kvhandoff.worker.runtime import HandoffError, Incoming, Runtime, Side
 
@@ -52,6 +52,12 @@ class Session:
     nbytes: int
     expiry: float                       # time.monotonic()
     block_hashes: list[str]             # hex chain hashes of its full blocks
+    key: str | None = None              # the client's session id, if it named one
+
+    def retained(self, now: float) -> M.Retained:
+        """What a router needs to find and read it again."""
+        return M.Retained(retention_id=self.retention_id, num_tokens=self.num_tokens, block_hashes=self.block_hashes,
+                          expires_in_s=round(max(0.0, self.expiry - now), 3), bytes=self.nbytes, session=self.key)
 
 
 class Retention:
@@ -75,20 +81,20 @@ class Retention:
         rt.every_tick(self.expire)
 
     # ---- engine thread --------------------------------------------------------------------------
-    def on_retained(self, entry: RetainedKV, supersedes: str | None) -> dict:
+    def on_retained(self, entry: RetainedKV, supersedes: str | None, key: str | None = None) -> dict:
         """A turn finished and the engine kept its KV: record it, drop the turn it replaces, enforce
         the cap. Returns what the router needs to find it again."""
+        now = time.monotonic()
         session = Session(entry.retention_id, entry.num_tokens, len(entry.block_ids),
-                          len(entry.block_ids) * self.block_bytes, time.monotonic() + self.cfg.ttl_s,
-                          [h.hex() for h in entry.block_hashes])
+                          len(entry.block_ids) * self.block_bytes, now + self.cfg.ttl_s,
+                          [h.hex() for h in entry.block_hashes], key)
         with self._lock:
             self.sessions[session.retention_id] = session
             self.counters["retained"] += 1
         if supersedes and supersedes != entry.retention_id and self._release(supersedes):
             self.counters["superseded"] += 1
         self._enforce_cap()
-        return M.Retained(retention_id=session.retention_id, num_tokens=session.num_tokens,
-                          block_hashes=session.block_hashes, expires_in_s=self.cfg.ttl_s, bytes=session.nbytes).to_dict()
+        return session.retained(now).to_dict()
 
     def _enforce_cap(self) -> None:
         if self.cfg.max_bytes is None:
@@ -173,6 +179,23 @@ class Retention:
             self.counters["expiries"] += 1
 
     # ---- any thread -----------------------------------------------------------------------------
+    def find(self, query: M.RetainedQuery) -> dict | None:
+        """The entry kept under the query's session id (the newest, should a superseded one linger),
+        else the one sharing the most leading blocks with its hashes; with `matched_blocks`. None if
+        nothing here matches. A router that did not serve the previous turn asks every decode worker."""
+        now = time.monotonic()
+        with self._lock:
+            live = [s for s in self.sessions.values() if s.expiry > now]
+        if query.session is not None:
+            named = [s for s in live if s.key == query.session]
+            best = max(named, key=lambda s: s.expiry, default=None)
+            matched = 0 if best is None else common_prefix_blocks(query.block_hashes, best.block_hashes)
+        else:
+            scored = [(common_prefix_blocks(query.block_hashes, s.block_hashes), s.expiry, s) for s in live]
+            matched, _, best = max(scored, key=lambda x: x[:2], default=(0, 0.0, None))
+            best = best if matched > 0 else None
+        return None if best is None else best.retained(now).to_dict() | {"matched_blocks": matched}
+
     def retained_bytes(self) -> int:
         with self._lock:
             return sum(s.nbytes for s in self.sessions.values())

@@ -566,7 +566,7 @@ class DecodeSide(Side):
     def submit(self, kv, incoming: Incoming, prompt_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None]) -> None:
         incoming.side = self
-        incoming.extra["supersedes"] = kv.supersedes
+        incoming.extra["supersedes"], incoming.extra["session"] = kv.supersedes, kv.session
         self.rt.table.add(kv.handoff_id, incoming)
         faults = self.rt.cfg.faults
 
@@ -594,7 +594,8 @@ class DecodeSide(Side):
             self.ended_early(incoming)
         out.handoff = self.report(incoming, out)
         if out.retained is not None and self.retention is not None:     # (a failed turn keeps the previous one)
-            out.handoff["retained"] = self.retention.on_retained(out.retained, incoming.extra["supersedes"])
+            out.handoff["retained"] = self.retention.on_retained(out.retained, incoming.extra["supersedes"],
+                                                                  incoming.extra["session"])
         return False
 
     def ended_early(self, incoming: Incoming) -> None:
