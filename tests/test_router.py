@@ -178,10 +178,12 @@ def fakes():
 class Proc:
     """A kvhandoff subprocess whose output goes to a log file; stopped by PID."""
 
-    def __init__(self, args: list[str], log_path: Path, ready: re.Pattern, timeout: float = 60.0, env=None):
+    def __init__(self, args: list[str], log_path: Path, ready: re.Pattern, timeout: float = 60.0, env=None,
+                 prefix: tuple[str, ...] = ()):
         self.log_path, self.log = log_path, open(log_path, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvhandoff.cli", *args], stdout=self.log,
+        # prefix: e.g. `ip netns exec NS`, which execs the command in the same process (the PID stays).
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvhandoff.cli", *args], stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env)
         try:
             self.match = self.wait_for(ready, timeout)

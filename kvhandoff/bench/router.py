@@ -1,7 +1,7 @@
 """The router alone: its CPU per request, the rate one core of it serves, the latency it adds.
 
-`python -m kvhandoff.bench.router` puts a real `kvhandoff router` (its own process, pinned to one core)
-in front of workers that answer at once (kvhandoff.bench.instant: the wire contract without an
+`python -m kvhandoff.bench.router` puts a real `kvhandoff router` (its own process, pinned to one core;
+or `--routers N` of them on one front port, router i on core i) in front of workers that answer at once (kvhandoff.bench.instant: the wire contract without an
 engine, on the other cores with this client), so that a change to the router is judged without the
 engine's noise. Per mode, streamed requests (a prompt of about --prompt-words words, --tokens tokens
 out):
@@ -141,30 +141,38 @@ def pct(values: list[float], q: float) -> float:
 
 async def bench_mode(mode: str, args, out: Path) -> Result:
     cores = sorted(os.sched_getaffinity(0))
-    router_cores = {cores[0]} if len(cores) > 1 else None
     rest = set(cores[1:]) if len(cores) > 1 else None
     if rest:
         os.sched_setaffinity(0, rest)           # this client beside the instant workers, off the router's core
     ports = {role: free_port() for role in ("prefill", "decode", "router")}
+    own_ports = [free_port() for _ in range(args.routers)] if args.routers > 1 else [ports["router"]]
     procs = [spawn(["kvhandoff.bench.instant", "--role", role, "--port", str(ports[role])], rest,
                    out / f"instant-{role}-{mode}.log") for role in ("prefill", "decode")]
     urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     try:
         for role in ("prefill", "decode"):
             await wait_up(urls[role])
-        router = spawn(["kvhandoff.cli", "router", "--prefill", urls["prefill"], "--decode", urls["decode"],
-                        "--mode", mode, "--port", str(ports["router"]), "--log-level", "warning"], router_cores,
-                       out / f"router-{mode}.log")
-        procs.append(router)
+        # Several routers: on the shared front port (SO_REUSEPORT), router i on core i (the first shares
+        # nothing; the others share their cores with the client and the instant workers).
+        routers = []
+        for i, port in enumerate(own_ports):
+            shared = ["--front-port", str(ports["router"])] if args.routers > 1 else []
+            on = {cores[i % len(cores)]} if len(cores) > 1 else None
+            routers.append(spawn(["kvhandoff.cli", "router", "--prefill", urls["prefill"], "--decode", urls["decode"],
+                                  "--mode", mode, "--port", str(port), *shared, "--log-level", "warning"], on,
+                                 out / f"router-{mode}-{i}.log"))
+        procs += routers
+        for port in own_ports:
+            await wait_up(f"http://127.0.0.1:{port}")
         await wait_up(urls["router"])
         body = {"prompt": " ".join(["word"] * args.prompt_words), "max_tokens": args.tokens, "temperature": 0,
                 "stream": True}
         await load(urls["router"], body, 200, args.concurrency)                        # warm-up
         ttft, e2e = await latencies(urls["router"], body, args.latency_requests)
         direct, _ = await latencies(urls["decode"], body, args.latency_requests)
-        cpu_before, served_before = cpu_seconds(router.pid), await served(urls)
+        cpu_before, served_before = sum(cpu_seconds(r.pid) for r in routers), await served(urls)
         seconds, failed = await load(urls["router"], body, args.requests, args.concurrency)
-        cpu = cpu_seconds(router.pid) - cpu_before
+        cpu = sum(cpu_seconds(r.pid) for r in routers) - cpu_before
         calls = {k: round((n - served_before.get(k, 0)) / args.requests, 3) for k, n in (await served(urls)).items()}
         return Result(mode, statistics.median(ttft), pct(ttft, 0.99), statistics.median(e2e), statistics.median(direct),
                       pct(direct, 0.99), cpu * 1e3 / args.requests, args.requests / seconds, failed,
@@ -187,15 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-requests", type=int, default=300, help="sequential requests (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=16, help="tokens per answer (default: %(default)s)")
     p.add_argument("--prompt-words", type=int, default=64, help="words of prompt (default: %(default)s)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="routers on one front port (SO_REUSEPORT; the kernel spreads the client's connections), "
+                        "router i pinned to core i (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("router-bench"), help="logs and results.json (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.routers < 1:
+        p.error("--routers must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         log(f"{mode}: router in front of instant workers ({args.requests} requests, {args.concurrency} in flight)")
         results.append(asyncio.run(bench_mode(mode, args, args.out)))
-    print(f"\nThe router alone ({args.prompt_words}-word prompts, {args.tokens} tokens out, streamed; router on one core,"
-          f" instant workers and client on the others; load {os.getloadavg()[0]:.2f})")
+    where = ("router on one core, instant workers and client on the others" if args.routers == 1 else
+             f"{args.routers} routers on one front port, router i on core i, instant workers and client on all but "
+             "the first; CPU ms/req: all routers'")
+    print(f"\nThe router alone ({args.prompt_words}-word prompts, {args.tokens} tokens out, streamed; {where}; "
+          f"load {os.getloadavg()[0]:.2f})")
     print(f"{'mode':<15}{'CPU ms/req':>11}{'1 core req/s':>13}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}"
           f"{'direct p50':>11}{'added p50':>10}{'p99':>8}{'failed':>7}")
     for r in results:

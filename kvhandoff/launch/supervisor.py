@@ -246,17 +246,23 @@ def plan(cfg: LaunchConfig, link: EmulatedLink | None = None) -> list[Child]:
                                      *cfg.worker_args, *own, *cfg.child_args.get(name, []), *over_link,
                                      "--threads", str(threads))
         children.append(Child(name, cmd, f"http://{whost}:{wport}", share))
-    urls = lambda role: ",".join(c.url for c in children if c.name.startswith(role))
-    router = ["router", "--prefill", urls("prefill"), "--decode", urls("decode"), "--mode", cfg.mode, "--host", cfg.host,
-              *common, *cfg.router_args]
+    urls = lambda role: [c.url for c in children if c.name.startswith(role)]
+    return children + router_children(cfg, urls("prefill"), urls("decode"), port)
+
+
+def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[str], port: int) -> list[Child]:
+    """The router (on the front port), or several: each on a port of its own (the supervisor's health
+    checks, an operator's look at one router) and on the shared front port; sessions are then found
+    through the decode workers."""
+    host_in_url = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    router = ["router", "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls), "--mode", cfg.mode,
+              "--host", cfg.host, "--log-level", cfg.log_level, *cfg.router_args]
     if cfg.num_routers == 1:
-        children.append(Child("router", kvhandoff_cmd(*router, "--port", str(port)), f"http://{host_in_url}:{port}"))
-        return children
-    # Several: each on a port of its own (the supervisor's health checks, an operator's look at one
-    # router) and on the shared front port; sessions are found through the decode workers.
+        return [Child("router", kvhandoff_cmd(*router, "--port", str(port)), f"http://{host_in_url}:{port}")]
     shared = ["--front-port", str(port)] + (["--shared-sessions"] if "--bidirectional" in cfg.router_args else [])
+    children = []
     for i in range(cfg.num_routers):
-        rport = free_port()
+        rport = free_port(cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1")
         children.append(Child(f"router-{i}", kvhandoff_cmd(*router, "--port", str(rport), *shared),
                               f"http://{host_in_url}:{rport}"))
     return children
@@ -341,14 +347,11 @@ def poll_ready(children: list[Child], client: httpx.Client) -> list[Child]:
     return became
 
 
-def router_sees_ready(children: list[Child], client: httpx.Client) -> bool:
-    """Whether the router's own view has every ready worker healthy. The router may have polled a worker
-    before it listened and will not look again for up to --health-interval: announcing the stack before
-    that sent every first request to the workers that happened to start first (a CI run once put all 8
-    streams on one of two decode workers). The router's /health polls every worker afresh."""
-    routers = [c for c in children if c.role == "router"]
-    assert routers or len(children) == 1
-    workers = [c for c in children if c.role != "router"]
+def router_sees_ready(routers: list[Child], worker_urls: list[str], client: httpx.Client) -> bool:
+    """Whether every router's own view has these (ready) workers healthy. A router may have polled a
+    worker before it listened and will not look again for up to --health-interval: announcing the stack
+    before that sent every first request to the workers that happened to start first (a CI run once
+    put all 8 streams on one of two decode workers). A router's /health polls every worker afresh."""
     for router in routers:
         if router.given_up:
             continue
@@ -357,9 +360,23 @@ def router_sees_ready(children: list[Child], client: httpx.Client) -> bool:
         except (httpx.HTTPError, ValueError, AttributeError):
             return False
         healthy = {r.get("url") for r in reports if isinstance(r, dict) and r.get("status") == "ok"}
-        if not all(c.url in healthy for c in workers if c.ready):
+        if not set(worker_urls) <= healthy:
             return False
     return True
+
+
+def tend(children: list[Child], cfg: LaunchConfig, env: dict[str, str], client: httpx.Client, serving: bool,
+         now: float) -> None:
+    """One round of looking after the children: the dead noticed (reap), those due started again, and
+    (once the stack serves) those that came back said."""
+    reap(children, cfg, now)
+    for child in children:
+        if child.restart_at is not None and now >= child.restart_at:
+            spawn(child, env)
+            print(f"kvhandoff up: restarted {child.describe()}", flush=True)
+    for child in poll_ready(children, client):
+        if serving:
+            print(f"kvhandoff up: {child.describe()} is serving again", flush=True)
 
 
 def supervise(children: list[Child], cfg: LaunchConfig, env: dict[str, str]) -> None:
@@ -370,16 +387,11 @@ def supervise(children: list[Child], cfg: LaunchConfig, env: dict[str, str]) -> 
     with httpx.Client(timeout=2.0, headers=control_headers(env[SECRET_ENV])) as client:
         while True:
             now = time.monotonic()
-            reap(children, cfg, now)
-            for child in children:
-                if child.restart_at is not None and now >= child.restart_at:
-                    spawn(child, env)
-                    print(f"kvhandoff up: restarted {child.describe()}", flush=True)
-            for child in poll_ready(children, client):
-                if serving:
-                    print(f"kvhandoff up: {child.describe()} is serving again", flush=True)
+            tend(children, cfg, env, client, serving, now)
             if not serving:
-                if all(c.ready or c.given_up for c in children) and router_sees_ready(children, client):
+                routers = [c for c in children if c.role == "router"]
+                workers = [c.url for c in children if c.role != "router" and c.ready]
+                if all(c.ready or c.given_up for c in children) and router_sees_ready(routers, workers, client):
                     serving = True
                     front = front_url(cfg, children)
                     print(f"kvhandoff: serving '{served_name(front)}' at {front}/v1 (mode {cfg.mode}; health "
