@@ -155,30 +155,54 @@ def import_ray():
     return ray
 
 
-def connect(ray, address: str | None) -> bool:
-    """Join the cluster; True if a one-node cluster was started here (to be shut down with the stack)."""
+def connect(ray, address: str | None, cpus_needed: int) -> bool:
+    """Join the cluster; True if a one-node cluster was started here (to be shut down with the stack),
+    with as many CPUs as the fleet asks for if this machine has fewer (as plain `up` shares them)."""
     quiet = {"logging_level": "warning", "configure_logging": True}
     if address in (None, "auto"):
-        try:
-            ray.init(address="auto", **quiet)
-            return False
-        except ConnectionError:
-            print("kvhandoff up: no Ray cluster on this machine; starting a one-node cluster (the workers on "
-                  "127.0.0.1)", flush=True)
-            ray.init(include_dashboard=False, **quiet)
+        found = this_machines_cluster(ray)
+        failure = None if found is None else answers(found)
+        if found is None or failure is not None:
+            why = ("no Ray cluster on this machine" if found is None else
+                   f"the Ray cluster last started here ({found}) does not answer ({failure})")
+            print(f"kvhandoff up: {why}; starting a one-node cluster (the workers on 127.0.0.1)", flush=True)
+            # "local": a new cluster, whatever $RAY_ADDRESS or Ray's record of the last one says.
+            ray.init(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, cpus_needed), **quiet)
             return True
+        address = found
     if not address.startswith("ray://"):
-        host, _, port = address.rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=5.0).close()
-        except (OSError, ValueError) as e:
-            raise RaySetupError(f"--ray {address}: no Ray cluster answers there ({getattr(e, 'strerror', None) or e}); "
-                                "give the head node's HOST:PORT (its `ray start --head --port`)") from None
+        failure = answers(address)
+        if failure is not None:
+            raise RaySetupError(f"--ray {address}: no Ray cluster answers there ({failure}); give the head node's "
+                                "HOST:PORT (its `ray start --head --port`)")
     try:
         ray.init(address=address, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise RaySetupError(f"--ray {address}: could not join the Ray cluster there: {e}") from None
     return False
+
+
+def this_machines_cluster(ray) -> str | None:
+    """$RAY_ADDRESS, else the cluster Ray records as the last one started on this machine (what
+    `ray.init(address="auto")` would join, which waits minutes on a record whose cluster is gone)."""
+    try:
+        return ray._private.services.canonicalize_bootstrap_address("auto")
+    except (ConnectionError, ValueError):
+        return None
+    except AttributeError:          # a Ray without this helper: its own "auto", which may wait on a stale record
+        return "auto"
+
+
+def answers(address: str) -> str | None:
+    """None if something accepts connections at HOST:PORT within 5 s, else why not."""
+    if address == "auto":
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=5.0).close()
+        return None
+    except (OSError, ValueError) as e:
+        return getattr(e, "strerror", None) or str(e)
 
 
 @dataclass
@@ -338,7 +362,7 @@ def run(cfg: LaunchConfig, rcfg: RayConfig) -> int:
     signal.signal(signal.SIGTERM, interrupt)        # SIGTERM stops the stack the way Ctrl-C does ...
     try:
         ray = import_ray()
-        started_here = connect(ray, rcfg.address)
+        started_here = connect(ray, rcfg.address, (cfg.threads or 1) * (cfg.num_prefill + cfg.num_decode))
         for sig in (signal.SIGTERM, signal.SIGINT):  # ... also once ray.init has put its own in place
             signal.signal(sig, interrupt)
         nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
