@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvhandoff.router.upstream import UpstreamError
 from kvhandoff.wire import messages as M
+from kvhandoff.wire.cost import common_prefix_blocks
 
 
 log = logging.getLogger("kvhandoff.router")
@@ -68,11 +69,7 @@ class SessionMap:
             entry = self.get(key)
             if entry is None:
                 continue
-            n = 0
-            for ours, theirs in zip(prompt_hashes, entry.block_hashes):
-                if ours != theirs:
-                    break
-                n += 1
+            n = common_prefix_blocks(prompt_hashes, entry.block_hashes)
             if n > best_len:
                 best, best_len = entry, n
         return best
