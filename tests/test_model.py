@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvhandoff.model import llama, loader
+from kvhandoff.model import llama, loader, paired_kv
 from kvhandoff.model.gguf_convert import permute_qk, unpermute_qk
 from kvhandoff.model.llama import prompt_logits
 from kvhandoff.model.loader import load_model, resolve_model
@@ -278,8 +278,10 @@ def test_bf16_prefill_attention_in_query_blocks_equals_fp32(tiny, cached, new):
     num_blocks = -(-total // block)
     order = torch.randperm(num_blocks + 3, generator=gen)[:num_blocks]          # blocks anywhere in the pool
     k_cache, v_cache = (torch.zeros(num_blocks + 3, KVH, block, D, dtype=torch.bfloat16) for _ in range(2))
-    for pos in range(cached):                  # the prefix sits in the pool; the chunk arrives as k, v
-        k_cache[order[pos // block], :, pos % block], v_cache[order[pos // block], :, pos % block] = k[pos], v[pos]
+    # The prefix sits in the pool (as a bf16 pool holds it: paired_kv); the chunk arrives as k, v.
+    slots = torch.arange(cached)
+    paired_kv.store(k_cache, order[slots // block], slots % block, k[:cached].bfloat16(), keys=True)
+    paired_kv.store(v_cache, order[slots // block], slots % block, v[:cached].bfloat16(), keys=False)
     seq = llama.PrefillSeq(0, new, total, order)
     got = attn._prefill_blocked(*(x[cached:].bfloat16() for x in (q, k, v)), seq, k_cache, v_cache)
     assert got.shape == (new, H, D) and got.dtype == torch.bfloat16

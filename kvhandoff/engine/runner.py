@@ -12,7 +12,7 @@ import torch
 
 from kvhandoff.config import ModelConfig
 from kvhandoff.engine.scheduler import ScheduledChunk
-from kvhandoff.model import kernels
+from kvhandoff.model import kernels, paired_kv
 from kvhandoff.model.llama import BatchMetadata, LlamaModel, PrefillSeq
 
 
@@ -26,6 +26,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         cfg = self.cfg
+        paired_kv.check_block_size(self.dtype, block_size)
         # Block-major: a block's K and V for all layers are one contiguous range (one transfer descriptor).
         shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
         if kv_memory is None and self.device.type == "cpu":

@@ -370,11 +370,10 @@ static void attend_##T##_##G##_##DV(const float* q, struct attend_state* st, con
 #define ATTEND_G(T, LOAD) ATTEND_D(1, T, LOAD) ATTEND_D(2, T, LOAD) ATTEND_D(3, T, LOAD) ATTEND_D(4, T, LOAD) \
   ATTEND_D(5, T, LOAD) ATTEND_D(6, T, LOAD) ATTEND_D(7, T, LOAD) ATTEND_D(8, T, LOAD)
 ATTEND_G(float, LOAD_F32)
-ATTEND_G(bf16, LOAD_BF16)
 typedef void (*attend_t)(const float*, struct attend_state*, const void*, const void*, long, const char*, const char*);
 #define PAIR(T, G) {attend_##T##_##G##_4, attend_##T##_##G##_8, attend_##T##_##G##_16}
 #define PAIRS(T) {{0, 0, 0}, PAIR(T, 1), PAIR(T, 2), PAIR(T, 3), PAIR(T, 4), PAIR(T, 5), PAIR(T, 6), PAIR(T, 7), PAIR(T, 8)}
-static const attend_t ATTENDS[2][MAX_GROUP + 1][3] = {PAIRS(float), PAIRS(bf16)};    /* [K/V in bf16] */
+static const attend_t ATTENDS[MAX_GROUP + 1][3] = PAIRS(float);
 
 /* Which (group, head_dim) pairs paged_attention serves; the caller falls back to torch otherwise. */
 int paged_attention_supports(long group, long head_dim, long block_size) {
@@ -424,115 +423,219 @@ static void attend_heads(attend_t attend, long group, long D, const float* q, fl
   }
 }
 
+/* bf16 K/V (issue 25) sit in a block in "paired" layouts, so that every product is a vertical one:
+   a head's K of one block is [D/2][block_size][2] (dimensions 2p and 2p+1 of consecutive tokens side
+   by side: one 64-byte load holds that pair for 16 tokens) and its V is [block_size/2][D][2] (tokens
+   2i and 2i+1 of each dimension side by side); block sizes are even. q.K then adds, per pair of
+   dimensions, the pair's products to 16 tokens' scores at once, and p.V two tokens' products to 16
+   dimensions at once: no sums across lanes. In the token-major layout this replaced, the scores' lane
+   sums and V's interleaving shuffles took ~40% of the kernel's time. SmolLM2's 16 rows of 1,024
+   tokens, all 30 layers, one thread, Zen 4, alternated in one process: 15.2 -> 11.0 ms with the K/V in
+   L2, 22.3 -> 18.9 ms from memory (exp16 below then: 9.7 and 18.7). paired_kv.py is this layout for
+   torch's paths. */
+#define PK_LOOP_TOKENS 32
+
 #ifdef NATIVE_BF16
-/* bf16 K/V with the CPU's bf16 dot products (issue 25): per block, the scores of every head the task
-   owns (its K heads are one contiguous run), then the values (V likewise), with the next block's K and
-   V prefetched into L2 as the work goes; q and the probabilities rounded to bf16 for the products, as
-   torch's bf16 attention rounds them, sums in fp32. One row, 1,024 tokens of SmolLM2 (30 layers, one
-   thread, Zen 4, K/V blocks far apart in the pool): 1.9 ms against 2.8 widening each element to fp32
-   and head by head; 16 rows: 29 against 58 ms, about the time a plain read of those bytes takes in
-   that order. dp_scores: s = q.K (16 tokens a reduce16), the online softmax's update, then the
-   probabilities as bf16 pairs for dp_values, which multiplies them against V two tokens at a time (two
-   V rows interleaved: vdpbf16ps sums adjacent pairs), accumulating in a permuted order of the head's
-   dimensions that it undoes before leaving. */
-#define DP_SCORES(G, DV) \
-static void dp_scores_##G##_##DV(const float* q, struct attend_state* st, const bf16* K, long n, bf16* pbuf, \
-                                 const char* pf, long pf_lines) { \
-  enum { D = 8 * DV, C = D / 32 }; \
+/* With the CPU's bf16 dot products: q and the probabilities rounded to bf16 (as torch's bf16 attention
+   rounds them), sums in fp32, the next block's K (V) of the head prefetched into L2 as this one's is
+   read. pk_scores: s = q.K for G query heads (qp: their q as bf16 pairs, [G][D/2]), 32 tokens at a time
+   (two chains of G dot products in flight), then the online softmax's update and the probabilities as
+   bf16 for pk_values (zero past n). */
+/* e^x of 16 lanes, x <= 0: 2^(x log2 e) as 2^n (vscalefps) times 2^r, |r| <= 1/2, by its Taylor
+   polynomial to r^6 (relative error < 2e-7); exactly 0 below -87, as exp8 gives. A third of exp8's
+   instructions per element: the softmax took ~25% of this kernel's time in exp8's 8 lanes. */
+static inline __m512 exp16(__m512 x) {
+  __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), p, n);
+}
+
+/* online_softmax in 16 lanes (64-byte aligned s; padded with -inf to the next multiple of 16) */
+static inline float online_softmax16(float* s, long n, float* m, float* l) {
+  long n16 = (n + 15) & ~15L;
+  for (long t = n; t < n16; t++) s[t] = -INFINITY;
+  __m512 top = _mm512_load_ps(s);
+  for (long t = 16; t < n16; t += 16) top = _mm512_max_ps(top, _mm512_load_ps(s + t));
+  float bm = _mm512_reduce_max_ps(top);
+  float mn = bm > *m ? bm : *m, corr = expf(*m - mn);
+  *m = mn;
+  __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(mn);
+  for (long t = 0; t < n16; t += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(s + t), shift));
+    _mm512_store_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  *l = *l * corr + _mm512_reduce_add_ps(sum);
+  return corr;
+}
+
+#define PK_NATIVE(G, D) \
+static void pk_scores_##G##_##D(const int32_t* qp, struct attend_state* st, const bf16* K, long n, long bs, \
+                                bf16* pbuf, const char* pf, long pf_lines) { \
   float s[G][MAX_BLOCK + 32] __attribute__((aligned(64))); \
   bf16 (*pb)[MAX_BLOCK + 32] = (bf16 (*)[MAX_BLOCK + 32])pbuf; \
-  __m512bh qb[G][C]; \
-  for (int g = 0; g < G; g++) for (int c = 0; c < C; c++) \
-    qb[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + 32 * c + 16), _mm512_loadu_ps(q + g * D + 32 * c)); \
-  long per = pf ? (pf_lines + (n + 15) / 16 - 1) / ((n + 15) / 16) : 0, done = 0; \
-  for (long t = 0; t < n; t += 16) { \
-    long w = n - t < 16 ? n - t : 16; \
-    for (long i = 0; i < per && done < pf_lines; i++, done++) __builtin_prefetch(pf + 64 * done, 0, 2); \
-    for (int g = 0; g < G; g++) { \
-      __m512 a[16]; \
-      for (int j = 0; j < 16; j++) { \
-        a[j] = _mm512_setzero_ps(); \
-        if (j < w) for (int c = 0; c < C; c++) a[j] = _mm512_dpbf16_ps(a[j], qb[g][c], (__m512bh)_mm512_loadu_si512(K + (t + j) * D + 32 * c)); \
+  long steps = (n + PK_LOOP_TOKENS - 1) / PK_LOOP_TOKENS * (D / 2), per = pf ? (pf_lines + steps - 1) / steps : 0, done = 0; \
+  for (long t = 0; t < n; t += PK_LOOP_TOKENS) { \
+    long w = n - t; \
+    __mmask16 m0 = w >= 16 ? 0xFFFF : (__mmask16)((1u << w) - 1); \
+    __mmask16 m1 = w >= 32 ? 0xFFFF : w <= 16 ? 0 : (__mmask16)((1u << (w - 16)) - 1); \
+    __m512 a0[G], a1[G]; \
+    for (int g = 0; g < G; g++) { a0[g] = _mm512_setzero_ps(); a1[g] = _mm512_setzero_ps(); } \
+    for (int p = 0; p < D / 2; p++) { \
+      for (long i = 0; i < per && done < pf_lines; i++, done++) __builtin_prefetch(pf + 64 * done, 0, 2); \
+      const bf16* run = K + (p * bs + t) * 2; \
+      __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi32(m0, run), k1 = (__m512bh)_mm512_maskz_loadu_epi32(m1, run + 32); \
+      for (int g = 0; g < G; g++) { \
+        __m512bh qq = (__m512bh)_mm512_set1_epi32(qp[g * (D / 2) + p]); \
+        a0[g] = _mm512_dpbf16_ps(a0[g], qq, k0); a1[g] = _mm512_dpbf16_ps(a1[g], qq, k1); \
       } \
-      _mm512_store_ps(&s[g][t], reduce16(a)); \
     } \
+    for (int g = 0; g < G; g++) { _mm512_store_ps(&s[g][t], a0[g]); _mm512_store_ps(&s[g][t + 16], a1[g]); } \
   } \
-  long n8 = (n + 7) & ~7L, n32 = (n + 31) & ~31L; \
+  long n16 = (n + 15) & ~15L, n32 = (n + 31) & ~31L; \
   for (int g = 0; g < G; g++) { \
-    float corr = online_softmax(s[g], n, &st->m[g], &st->l[g]); \
-    for (int d = 0; d < DV; d++) ((v8 (*)[DV])st->acc)[g][d] *= corr; \
-    for (long t = n8; t < n32; t++) s[g][t] = 0.f; \
+    float corr = online_softmax16(s[g], n, &st->m[g], &st->l[g]); \
+    for (int d = 0; d < D / 8; d++) st->acc[g * (D / 8) + d] *= corr; \
+    for (long t = n16; t < n32; t++) s[g][t] = 0.f; \
     for (long t = 0; t < n32; t += 32) \
       _mm512_store_si512(&pb[g][t], (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(&s[g][t + 16]), _mm512_load_ps(&s[g][t]))); \
   } \
 } \
-static void dp_values_##G##_##DV(struct attend_state* st, const bf16* V, long n, const bf16* pbuf, \
-                                 const char* pf, long pf_lines) { \
-  enum { D = 8 * DV, C = D / 32 }; \
-  const bf16 (*pb)[MAX_BLOCK + 32] = (const bf16 (*)[MAX_BLOCK + 32])pbuf; \
-  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27); \
-  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31); \
-  const __m512i back0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23); \
-  const __m512i back1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31); \
+/* acc[g][d] += p[t] V[t][d] + p[t+1] V[t+1][d], 16 dimensions a product; with n odd, the last pair's \
+   second token is masked off (its slot may hold anything, and 0 * NaN is NaN). CB columns of 16 at a \
+   time, so that G x CB sums stay in registers. */ \
+static void pk_values_##G##_##D(struct attend_state* st, const bf16* V, long n, const bf16* pbuf, \
+                                const char* pf, long pf_lines) { \
+  enum { C = D / 16, CB = G * C <= 24 ? C : (24 / G < 1 ? 1 : 24 / G) }; \
+  const int32_t (*pp)[(MAX_BLOCK + 32) / 2] = (const int32_t (*)[(MAX_BLOCK + 32) / 2])pbuf; \
   long per = pf ? (pf_lines + (n + 1) / 2 - 1) / ((n + 1) / 2) : 0, done = 0; \
-  for (int c = 0; c < C; c++) { \
-    __m512 lo[G], hi[G]; \
-    for (int g = 0; g < G; g++) { \
-      float* a = (float*)st->acc + g * D + 32 * c; \
-      __m512 n0 = _mm512_loadu_ps(a), n1 = _mm512_loadu_ps(a + 16); \
-      lo[g] = _mm512_permutex2var_ps(n0, to_lo, n1); hi[g] = _mm512_permutex2var_ps(n0, to_hi, n1); \
-    } \
+  for (int c0 = 0; c0 < C; c0 += CB) { \
+    int cn = C - c0 < CB ? C - c0 : CB; \
+    __m512 acc[G][CB]; \
+    for (int g = 0; g < G; g++) for (int c = 0; c < cn; c++) acc[g][c] = _mm512_loadu_ps((float*)st->acc + g * D + 16 * (c0 + c)); \
     for (long t = 0; t < n; t += 2) { \
-      if (c == 0) for (long i = 0; i < per && done < pf_lines; i++, done++) __builtin_prefetch(pf + 64 * done, 0, 2); \
-      __m512i r0 = _mm512_loadu_si512(V + t * D + 32 * c); \
-      __m512i r1 = t + 1 < n ? _mm512_loadu_si512(V + (t + 1) * D + 32 * c) : _mm512_setzero_si512(); \
-      __m512bh il = (__m512bh)_mm512_unpacklo_epi16(r0, r1), ih = (__m512bh)_mm512_unpackhi_epi16(r0, r1); \
+      if (c0 == 0) for (long i = 0; i < per && done < pf_lines; i++, done++) __builtin_prefetch(pf + 64 * done, 0, 2); \
+      const bf16* run = V + t * D + 32 * c0; \
+      __mmask32 keep = t + 1 < n ? 0xFFFFFFFFu : 0x55555555u; \
+      __m512bh v[CB]; \
+      for (int c = 0; c < cn; c++) v[c] = (__m512bh)_mm512_maskz_loadu_epi16(keep, run + 32 * c); \
       for (int g = 0; g < G; g++) { \
-        __m512bh pp = (__m512bh)_mm512_set1_epi32(pb[g][t] | (int32_t)pb[g][t + 1] << 16); \
-        lo[g] = _mm512_dpbf16_ps(lo[g], pp, il); hi[g] = _mm512_dpbf16_ps(hi[g], pp, ih); \
+        __m512bh p2 = (__m512bh)_mm512_set1_epi32(pp[g][t / 2]); \
+        for (int c = 0; c < cn; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], p2, v[c]); \
       } \
     } \
-    for (int g = 0; g < G; g++) { \
-      float* a = (float*)st->acc + g * D + 32 * c; \
-      _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[g], back0, hi[g])); \
-      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[g], back1, hi[g])); \
-    } \
+    for (int g = 0; g < G; g++) for (int c = 0; c < cn; c++) _mm512_storeu_ps((float*)st->acc + g * D + 16 * (c0 + c), acc[g][c]); \
   } \
 }
-#define DP_D(G) DP_SCORES(G, 4) DP_SCORES(G, 8) DP_SCORES(G, 16)
-DP_D(1) DP_D(2) DP_D(3) DP_D(4) DP_D(5) DP_D(6) DP_D(7) DP_D(8)
-typedef void (*dp_scores_t)(const float*, struct attend_state*, const bf16*, long, bf16*, const char*, long);
-typedef void (*dp_values_t)(struct attend_state*, const bf16*, long, const bf16*, const char*, long);
-#define DP_ROW(F, G) {F##_##G##_4, F##_##G##_8, F##_##G##_16}
-#define DP_TABLE(F) {{0, 0, 0}, DP_ROW(F, 1), DP_ROW(F, 2), DP_ROW(F, 3), DP_ROW(F, 4), DP_ROW(F, 5), DP_ROW(F, 6), \
-                     DP_ROW(F, 7), DP_ROW(F, 8)}
-static const dp_scores_t DP_SCORES_FN[MAX_GROUP + 1][3] = DP_TABLE(dp_scores);
-static const dp_values_t DP_VALUES_FN[MAX_GROUP + 1][3] = DP_TABLE(dp_values);
+#define PK_NATIVE_D(G) PK_NATIVE(G, 32) PK_NATIVE(G, 64) PK_NATIVE(G, 128)
+PK_NATIVE_D(1) PK_NATIVE_D(2) PK_NATIVE_D(3) PK_NATIVE_D(4) PK_NATIVE_D(5) PK_NATIVE_D(6) PK_NATIVE_D(7) PK_NATIVE_D(8)
+typedef void (*pk_scores_t)(const int32_t*, struct attend_state*, const bf16*, long, long, bf16*, const char*, long);
+typedef void (*pk_values_t)(struct attend_state*, const bf16*, long, const bf16*, const char*, long);
+#define PK_ROW(F, G) {F##_##G##_32, F##_##G##_64, F##_##G##_128}
+#define PK_TABLE(F) {{0, 0, 0}, PK_ROW(F, 1), PK_ROW(F, 2), PK_ROW(F, 3), PK_ROW(F, 4), PK_ROW(F, 5), PK_ROW(F, 6), \
+                     PK_ROW(F, 7), PK_ROW(F, 8)}
+static const pk_scores_t PK_SCORES_FN[MAX_GROUP + 1][3] = PK_TABLE(pk_scores);
+static const pk_values_t PK_VALUES_FN[MAX_GROUP + 1][3] = PK_TABLE(pk_values);
 
-static void attend_heads_dp(long group, long D, const float* q, float* out, long h0, long h1, const char* k_base,
-                            const char* v_base, long block_stride, long block_size, const int64_t* table, long len) {
+/* Query heads of kv heads [h0, h1) of one row over its `len` tokens of paired bf16 K/V: per block, the
+   scores of every head the task owns (its K heads are one contiguous run), then their values. */
+static void attend_heads_paired(long group, long D, const float* q, float* out, long h0, long h1, const char* k_base,
+                                const char* v_base, long block_stride, long block_size, const int64_t* table, long len) {
   long d = D == 32 ? 0 : D == 64 ? 1 : 2;
-  dp_scores_t scores = DP_SCORES_FN[group][d];
-  dp_values_t values = DP_VALUES_FN[group][d];
+  pk_scores_t scores = PK_SCORES_FN[group][d];
+  pk_values_t values = PK_VALUES_FN[group][d];
   struct attend_state st[HEADS_PER_PASS];
   bf16 probs[HEADS_PER_PASS][MAX_GROUP * (MAX_BLOCK + 32)] __attribute__((aligned(64)));
-  long item = sizeof(bf16), head_run = block_size * D;
+  int32_t qp[HEADS_PER_PASS][MAX_GROUP * 64] __attribute__((aligned(64)));    /* q as bf16 pairs */
+  long item = sizeof(bf16), head_run = block_size * D, lines = head_run * item / 64;
   for (; h0 < h1; h0 += HEADS_PER_PASS) {
     long hn = h1 - h0 < HEADS_PER_PASS ? h1 - h0 : HEADS_PER_PASS;
     start_heads(st, hn, group, D);
-    long lines = head_run * item / 64;        /* a head's K (or V) of one block, in cache lines */
+    for (long h = 0; h < hn; h++)
+      for (long i = 0; i < group * D; i += 32)
+        _mm512_store_si512(&qp[h][i / 2], (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + (h0 + h) * group * D + i + 16),
+                                                                       _mm512_loadu_ps(q + (h0 + h) * group * D + i)));
     for (long start = 0, blk = 0; start < len; start += block_size, blk++) {
       long n = len - start < block_size ? len - start : block_size, base = table[blk] * block_stride;
       long next = start + block_size < len ? table[blk + 1] * block_stride : -1;
       for (long h = 0; h < hn; h++) {
         long head = base + (h0 + h) * head_run, ahead = next + (h0 + h) * head_run;
-        scores(q + (h0 + h) * group * D, &st[h], (const bf16*)(k_base + head * item), n, probs[h],
+        scores(qp[h], &st[h], (const bf16*)(k_base + head * item), n, block_size, probs[h],
                next < 0 ? 0 : k_base + ahead * item, next < 0 ? 0 : lines);
       }
       for (long h = 0; h < hn; h++) {
         long head = base + (h0 + h) * head_run, ahead = next + (h0 + h) * head_run;
         values(&st[h], (const bf16*)(v_base + head * item), n, probs[h],
                next < 0 ? 0 : v_base + ahead * item, next < 0 ? 0 : lines);
+      }
+    }
+    finish_heads(st, hn, group, D, out + h0 * group * D);
+  }
+}
+#else
+/* Without bf16 dot products (AVX2): each bf16 pair widened to two fp32 vectors by a shift and a mask
+   (the even element is the 32-bit lane's low half), probabilities in fp32. */
+static inline v8 pk_even(__m256i x) { return (v8)_mm256_slli_epi32(x, 16); }
+static inline v8 pk_odd(__m256i x) { return (v8)_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)); }
+
+static void pk_scores_widened(const float* q, long G, long D, struct attend_state* st, const bf16* K, long n, long bs,
+                              float (*s)[MAX_BLOCK + 8]) {
+  for (long g = 0; g < G; g++) {
+    for (long t = 0; t < n; t += 16) {
+      long w = n - t;
+      __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(w < 8 ? w : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(w < 16 ? w - 8 : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      v8 e0 = {0}, o0 = {0}, e1 = {0}, o1 = {0};
+      for (long p = 0; p < D / 2; p++) {
+        const int* run = (const int*)(K + (p * bs + t) * 2);
+        __m256i x0 = _mm256_maskload_epi32(run, m0), x1 = _mm256_maskload_epi32(run + 8, m1);
+        v8 qe = (v8)_mm256_set1_ps(q[g * D + 2 * p]), qo = (v8)_mm256_set1_ps(q[g * D + 2 * p + 1]);
+        e0 += qe * pk_even(x0); o0 += qo * pk_odd(x0); e1 += qe * pk_even(x1); o1 += qo * pk_odd(x1);
+      }
+      *(v8*)&s[g][t] = e0 + o0;
+      if (t + 8 < n) *(v8*)&s[g][t + 8] = e1 + o1;
+    }
+    float corr = online_softmax(s[g], n, &st->m[g], &st->l[g]);
+    for (long d = 0; d < D / 8; d++) st->acc[g * (D / 8) + d] *= corr;
+  }
+}
+
+static void pk_values_widened(long G, long D, struct attend_state* st, const bf16* V, long n, float (*s)[MAX_BLOCK + 8]) {
+  for (long g = 0; g < G; g++)
+    for (long c = 0; c < D / 8; c++) {
+      v8 acc = st->acc[g * (D / 8) + c], acc2 = {0};
+      for (long t = 0; t < n; t += 2) {
+        __m256i x = _mm256_loadu_si256((const __m256i*)(V + t * D + 16 * c));
+        acc += (v8)_mm256_set1_ps(s[g][t]) * pk_even(x);
+        if (t + 1 < n) acc2 += (v8)_mm256_set1_ps(s[g][t + 1]) * pk_odd(x);
+      }
+      st->acc[g * (D / 8) + c] = acc + acc2;
+    }
+}
+
+static void attend_heads_paired(long group, long D, const float* q, float* out, long h0, long h1, const char* k_base,
+                                const char* v_base, long block_stride, long block_size, const int64_t* table, long len) {
+  struct attend_state st[HEADS_PER_PASS];
+  float s[MAX_GROUP][MAX_BLOCK + 8] __attribute__((aligned(32)));
+  long item = sizeof(bf16), head_run = block_size * D;
+  for (; h0 < h1; h0 += HEADS_PER_PASS) {
+    long hn = h1 - h0 < HEADS_PER_PASS ? h1 - h0 : HEADS_PER_PASS;
+    start_heads(st, hn, group, D);
+    for (long start = 0, blk = 0; start < len; start += block_size, blk++) {
+      long n = len - start < block_size ? len - start : block_size, base = table[blk] * block_stride;
+      for (long h = 0; h < hn; h++) {
+        long head = base + (h0 + h) * head_run;
+        pk_scores_widened(q + (h0 + h) * group * D, group, D, &st[h], (const bf16*)(k_base + head * item), n,
+                          block_size, s);
+        pk_values_widened(group, D, &st[h], (const bf16*)(v_base + head * item), n, s);
       }
     }
     finish_heads(st, hn, group, D, out + h0 * group * D);
@@ -549,7 +652,7 @@ static void attention(const float* q, long ldq, float* out, long ldo, long rows,
                       const int64_t* block_tables, long max_blocks, const int64_t* row_seq,
                       const int64_t* row_len, int num_threads) {
   long group = heads / kv_heads;
-  attend_t attend = ATTENDS[item == 2][group][D == 32 ? 0 : D == 64 ? 1 : 2];
+  attend_t attend = ATTENDS[group][D == 32 ? 0 : D == 64 ? 1 : 2];
   long splits = (2L * num_threads + rows - 1) / rows;       /* tasks per row: ~2 per thread in all */
   splits = splits < 1 ? 1 : splits > kv_heads ? kv_heads : splits;
   #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -557,13 +660,11 @@ static void attention(const float* q, long ldq, float* out, long ldo, long rows,
     long r = task / splits, part = task % splits;
     const int64_t* table = block_tables + (row_seq ? row_seq[r] : r) * max_blocks;
     long h0 = kv_heads * part / splits, h1 = kv_heads * (part + 1) / splits;
-#ifdef NATIVE_BF16
     if (item == 2) {
-      attend_heads_dp(group, D, q + r * ldq, out + r * ldo, h0, h1, k_base, v_base, block_stride, block_size, table,
-                      row_len[r]);
+      attend_heads_paired(group, D, q + r * ldq, out + r * ldo, h0, h1, k_base, v_base, block_stride, block_size, table,
+                          row_len[r]);
       continue;
     }
-#endif
     attend_heads(attend, group, D, q + r * ldq, out + r * ldo, h0, h1, k_base, v_base, item, block_stride, block_size,
                  table, row_len[r]);
   }
@@ -628,14 +729,15 @@ static void rope_store(float* qkv, long T, long ld, long heads, long kv_heads, l
         x[i + half] = x2 * c[i] + x1 * s[i];
       }
     }
-    long slot = slot_block[t] * block_stride + slot_offset[t] * D;
+    long slot = slot_block[t] * block_stride + slot_offset[t] * D, off = slot_offset[t];
     for (long j = 0; j < kv_heads; j++) {
       const float* k = row + (heads + j) * D;
       const float* v = row + (heads + kv_heads + j) * D;
       long at = (slot + j * block_size * D) * item;
-      if (item == 2) {
-        bf16 *kd = (bf16*)(k_base + at), *vd = (bf16*)(v_base + at);
-        for (long i = 0; i < D; i++) { kd[i] = to_bf16(k[i]); vd[i] = to_bf16(v[i]); }
+      if (item == 2) {          /* the paired layouts (above paged attention) */
+        long run = (slot_block[t] * block_stride + j * block_size * D) * item;
+        bf16 *kd = (bf16*)(k_base + run), *vd = (bf16*)(v_base + run) + (off / 2) * 2 * D + off % 2;
+        for (long i = 0; i < D; i++) { kd[((i / 2) * block_size + off) * 2 + i % 2] = to_bf16(k[i]); vd[2 * i] = to_bf16(v[i]); }
       } else {
         float *kd = (float*)(k_base + at), *vd = (float*)(v_base + at);
         for (long i = 0; i < D; i++) { kd[i] = k[i]; vd[i] = v[i]; }

@@ -274,8 +274,8 @@ def attention_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     row_seq: torch.Tensor | None, row_len: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of q [rows, heads, D] (fp32) over the blocks of one layer's K/V (fp32 or bf16), read in
-    place; fp32 out. (The bf16 pool is read this way only inside FusedDecode; this entry serves tests.)
+    """Attention of q [rows, heads, D] (fp32) over the blocks of one layer's K/V (fp32, or bf16 in the
+    paired layout of paired_kv), read in place; fp32 out. (The bf16 pool is read this way only inside FusedDecode; this entry serves tests.)
 
     k_cache, v_cache: one layer's views [num_blocks, kv_heads, block_size, D] of the block-major pool
     (a block's stride spans all layers); block_tables: int64 [seqs, max_blocks]; row r attends to the
@@ -290,6 +290,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     row_seq = None if row_seq is None else row_seq.contiguous()
     out = torch.empty_like(q)
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+    assert k_cache.dtype != torch.bfloat16 or block_size % 2 == 0        # bf16 blocks are paired (paired_kv)
     lib.paged_attention(q.data_ptr(), out.data_ptr(), rows, heads, kv_heads, D, k_cache.data_ptr(), v_cache.data_ptr(),
                         k_cache.element_size(), k_cache.stride(0), block_size, block_tables.data_ptr(), block_tables.shape[1],
                         None if row_seq is None else row_seq.data_ptr(), row_len.data_ptr(), _threads())

@@ -3,9 +3,10 @@
 The KV pool is one tensor, block-major: [num_blocks, num_layers, 2 (K, V), kv_heads, block_size,
 head_dim]. One block therefore holds every layer's K and V for its tokens in one contiguous range,
 which is what the transfer layer moves; inside it, one head's K (or V) for the block's tokens is a
-contiguous [block_size, head_dim] range: kernels.paged_attention reads it in place, and torch's path
-(Attention._decode, the reference) gathers a sequence's K of one head into a contiguous matrix with
-one index_select and no transpose. Linear layers are nn.Linear until use_cpu_kernels() re-lays them
+contiguous range of block_size x head_dim (token-major, or in bf16 paired as paired_kv says):
+kernels.paged_attention reads it in place, and torch's path (Attention._decode, the reference)
+gathers a sequence's K of one head into a contiguous matrix with one index_select (and, in bf16,
+one copy back to token order). Linear layers are nn.Linear until use_cpu_kernels() re-lays them
 for kernels.gemm_packed (fp32 on CPU). A forward pass takes a flat batch of tokens (prefill chunks
 first, then one token per decoding sequence), writes their K/V into the pool at (slot_block,
 slot_offset), and attends over each sequence's blocks.
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvhandoff.config import ModelConfig
-from kvhandoff.model import kernels
+from kvhandoff.model import kernels, paired_kv
 
 
 @dataclass
@@ -135,8 +136,8 @@ class Attention(nn.Module):
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         else:
             q, k = self._rotate(qkv, rope)
-            k_cache[meta.slot_block, :, meta.slot_offset] = k
-            v_cache[meta.slot_block, :, meta.slot_offset] = v
+            paired_kv.store(k_cache, meta.slot_block, meta.slot_offset, k, keys=True)
+            paired_kv.store(v_cache, meta.slot_block, meta.slot_offset, v, keys=False)
         out = torch.empty_like(q)
         for seq in meta.prefills:
             out[seq.start:seq.end] = self._prefill(q[seq.start:seq.end], k[seq.start:seq.end],
@@ -175,7 +176,8 @@ class Attention(nn.Module):
             return self._prefill_over_cache(q, k, v, seq, k_cache, v_cache)
         else:
             # Part of the prompt is already in the pool (earlier chunk or prefix-cache hit).
-            keys, values = (_gather(cache, seq.block_table, 1)[:, 0, :seq.context_len] for cache in (k_cache, v_cache))
+            keys, values = (_gather(cache, seq.block_table, 1, is_k)[:, 0, :seq.context_len]
+                            for cache, is_k in ((k_cache, True), (v_cache, False)))
             query_pos = torch.arange(seq.context_len - n, seq.context_len).unsqueeze(1)
             mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
             causal = False
@@ -236,7 +238,7 @@ class Attention(nn.Module):
         and advanced indexing cost ~3x more at 16 sequences). SDPA's flash kernel is ~10x slower at
         query length 1 on CPU."""
         B, group, D, kv_heads = q.shape[0], self.num_heads // self.num_kv_heads, self.head_dim, self.num_kv_heads
-        keys, values = (_gather(cache, meta.decode_block_ids, B) for cache in (k_cache, v_cache))
+        keys, values = (_gather(cache, meta.decode_block_ids, B, is_k) for cache, is_k in ((k_cache, True), (v_cache, False)))
         S = keys.shape[2]                                                            # padded context per sequence
         q = q.view(B, kv_heads, group, D).transpose(0, 1).reshape(kv_heads * B, group, D)
         scores = torch.bmm(q, keys.view(kv_heads * B, S, D).transpose(1, 2)).float() * self.scale
@@ -292,18 +294,21 @@ _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 def _cached_prefix(seq: PrefillSeq, cached: int, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first `cached` tokens of `seq` (already in the pool), each [kv_heads, cached, D]."""
     prefix = seq.block_table[:-(-cached // k_cache.shape[2])]
-    return tuple(_gather(cache, prefix, 1)[:, 0, :cached] for cache in (k_cache, v_cache))
+    return tuple(_gather(cache, prefix, 1, is_k)[:, 0, :cached] for cache, is_k in ((k_cache, True), (v_cache, False)))
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """One layer's K (or V) of `num_seqs` sequences, each `block_ids` run of equal length, as
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, keys: bool) -> torch.Tensor:
+    """One layer's K (`keys`) or V of `num_seqs` sequences, each `block_ids` run of equal length, as
     [kv_heads, num_seqs, blocks * block_size, head_dim]: per head one index_select, straight into
-    place (a block's rows of one head are contiguous in the pool), no transpose."""
+    place (a block's rows of one head are contiguous in the pool), no transpose; a bf16 pool's paired
+    blocks then back in token order (paired_kv)."""
     _, kv_heads, block_size, head_dim = cache.shape
     out = torch.empty(kv_heads, num_seqs, block_ids.numel() // num_seqs * block_size, head_dim,
                       dtype=cache.dtype, device=cache.device)
     for head in range(kv_heads):
         torch.index_select(cache[:, head].flatten(1), 0, block_ids, out=out[head].view(-1, block_size * head_dim))
+    if paired_kv.paired(cache.dtype):
+        out = paired_kv.token_major(out.view(kv_heads, -1, block_size, head_dim), keys).view(out.shape)
     return out
 
 

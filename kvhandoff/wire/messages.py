@@ -24,7 +24,9 @@ from kvhandoff.wire.modes import Mode, Role
 # decode worker it was moved away from. 5: the first token goes to the client from the prefill (issue
 # 24): a prefill answers a stream (FirstToken, then its handoff object), decode streams carry
 # EventNotes, and a decode worker can serve a request colocated or resume one (ColocatedParams).
-PROTOCOL_VERSION = 5
+# 6: a bf16 block keeps each head's K and V in the paired layouts (model/paired_kv.py, issue 25):
+# same bytes, other meaning again.
+PROTOCOL_VERSION = 6
 PROTOCOL = f"kvhandoff-handoff/{PROTOCOL_VERSION}"     # the transfer agents' handshake compares it
 # Per-request phases every handoff object reports, in ms (docs/HANDOFF.md): the one definition.
 PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
