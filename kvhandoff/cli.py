@@ -210,7 +210,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the launcher's health polls through.
     secret = resolve_secret(args.kv_secret)
     if args.role == "both":
-        engine = LLMEngine(engine_config(args))
+        try:
+            engine = LLMEngine(engine_config(args))
+        except ValueError as e:         # a setting the model or dtype cannot take (e.g. an odd bf16 block size)
+            raise SystemExit(f"kvhandoff serve: {e}") from None
     else:
         from kvhandoff.transfer.agent import WILDCARD_HOSTS, TransferAgent
         from kvhandoff.wire.messages import PROTOCOL
@@ -236,6 +239,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except NoRoom as e:
             agent.close()
             raise SystemExit(f"kvhandoff serve: {e.strerror}") from None
+        except ValueError as e:
+            agent.close()
+            raise SystemExit(f"kvhandoff serve: {e}") from None
     loop = EngineLoop(engine)
     if faults.any:
         log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)

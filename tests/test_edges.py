@@ -115,3 +115,14 @@ def test_a_pool_larger_than_its_shared_memory_stops_the_worker_with_what_to_chan
             subprocess.run(["umount", directory], check=True)
     finally:
         os.rmdir(directory)
+
+
+def test_an_odd_block_size_in_bf16_stops_the_server_with_the_flag_to_change():
+    """bf16 blocks hold tokens in pairs (model/paired_kv.py): an odd --block-size is refused at start,
+    by a colocated server and by a disaggregated worker alike, naming the flag, without a traceback."""
+    flags = ("--model", "tiny", "--dtype", "bfloat16", "--max-model-len", "256", "--block-size", "5", "--port", "0")
+    for role in ("both", "decode"):
+        r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "serve", "--role", role, *flags], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "KVHANDOFF_SECRET": SECRET})
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert "--block-size" in r.stderr and "must be even, not 5" in r.stderr, r.stderr[-3000:]

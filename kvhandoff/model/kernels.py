@@ -275,7 +275,8 @@ def attention_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     row_seq: torch.Tensor | None, row_len: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of q [rows, heads, D] (fp32) over the blocks of one layer's K/V (fp32, or bf16 in the
-    paired layout of paired_kv), read in place; fp32 out. (The bf16 pool is read this way only inside FusedDecode; this entry serves tests.)
+    paired layout of paired_kv), read in place; fp32 out. (The bf16 pool is read this way only inside
+    FusedDecode; this entry serves tests.)
 
     k_cache, v_cache: one layer's views [num_blocks, kv_heads, block_size, D] of the block-major pool
     (a block's stride spans all layers); block_tables: int64 [seqs, max_blocks]; row r attends to the

@@ -22,7 +22,7 @@ def paired(dtype: torch.dtype) -> bool:
 
 def check_block_size(dtype: torch.dtype, block_size: int) -> None:
     if paired(dtype) and block_size % 2:
-        raise ValueError(f"a bf16 KV pool keeps tokens in pairs: the block size must be even (got {block_size})")
+        raise ValueError(f"a bf16 KV pool keeps tokens in pairs: the block size (--block-size) must be even, not {block_size}")
 
 
 def _pair_view(cache: torch.Tensor, keys: bool) -> torch.Tensor:
