@@ -188,6 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvhandoff.cli")
     log.debug("serve options: %s", {k: v for k, v in vars(args).items() if k not in ("kv_secret", "func")})
     from kvhandoff.engine.engine import LLMEngine
+    from kvhandoff.model.paired_kv import OddBlockSize
     from kvhandoff.engine.loop import EngineLoop
     from kvhandoff.wire.http import serve_forever
     from kvhandoff.worker.server import EngineInfo, build_app
@@ -212,7 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "both":
         try:
             engine = LLMEngine(engine_config(args))
-        except ValueError as e:         # a setting the model or dtype cannot take (e.g. an odd bf16 block size)
+        except OddBlockSize as e:
             raise SystemExit(f"kvhandoff serve: {e}") from None
     else:
         from kvhandoff.transfer.agent import WILDCARD_HOSTS, TransferAgent
@@ -239,7 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except NoRoom as e:
             agent.close()
             raise SystemExit(f"kvhandoff serve: {e.strerror}") from None
-        except ValueError as e:
+        except OddBlockSize as e:
             agent.close()
             raise SystemExit(f"kvhandoff serve: {e}") from None
     loop = EngineLoop(engine)

@@ -20,9 +20,13 @@ def paired(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16
 
 
+class OddBlockSize(ValueError):
+    """A bf16 pool asked for with an odd block size (cli.py turns it into one line)."""
+
+
 def check_block_size(dtype: torch.dtype, block_size: int) -> None:
     if paired(dtype) and block_size % 2:
-        raise ValueError(f"a bf16 KV pool keeps tokens in pairs: the block size (--block-size) must be even, not {block_size}")
+        raise OddBlockSize(f"a bf16 KV pool keeps tokens in pairs: the block size (--block-size) must be even, not {block_size}")
 
 
 def _pair_view(cache: torch.Tensor, keys: bool) -> torch.Tensor:
