@@ -75,7 +75,8 @@ class _LayerWeights(ctypes.Structure):          # struct decode_layer_weights
     _fields_ = [("norm1", _P), ("norm2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
                 ("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed), ("down", _Packed),
                 ("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("intermediate", _L),
-                ("k_base", _P), ("v_base", _P), ("kv_item", _L), ("block_stride", _L), ("block_size", _L)]
+                ("k_base", _P), ("v_base", _P), ("kv_item", _L), ("block_stride", _L), ("block_size", _L),
+                ("next_k_base", _P), ("layer_index", _L)]
 
 
 class _Batch(ctypes.Structure):                 # struct decode_batch
@@ -388,10 +389,12 @@ class FusedDecode:
         structs, self.biases = [], []
         for index, w in enumerate(self.layers):
             k_base = kv_cache.data_ptr() + index * kv_cache.stride(1) * item
+            next_k_base = k_base + kv_cache.stride(1) * item if index + 1 < len(self.layers) else None
             structs.append(_LayerWeights(
                 w.norm1.data_ptr(), w.norm2.data_ptr(), w.eps1, w.eps2, packed(w.qkv), packed(w.o),
                 packed(w.gate_up), packed(w.down), self.hidden, self.heads, self.kv_heads, self.head_dim,
-                self.intermediate, k_base, k_base + kv_cache.stride(2) * item, item, kv_cache.stride(0), block_size))
+                self.intermediate, k_base, k_base + kv_cache.stride(2) * item, item, kv_cache.stride(0), block_size,
+                next_k_base, index))
         self._structs, self._pool = structs, pool
         return structs
 
