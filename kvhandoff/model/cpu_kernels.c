@@ -11,9 +11,10 @@
  * bf16 (issue 25): gemv_bf16 reads a bf16 weight in its own [N][K] layout (the one torch's bf16
  *   prefill uses: one copy of the weights), with the CPU's bf16 dot products where it has them (its
  *   input rounded to bf16, as torch rounds it) and else widening each weight to fp32 on load (a
- *   shift: every AVX2 CPU); the attention reads a bf16 K/V pool (with bf16 dot products too where
- *   the CPU has them, else widened on load); activations and sums stay fp32. A decode step reads half the bytes of fp32's, and every row's sums run in one
- *   order whatever the batch (batch-invariant), which torch's bf16 paths did not.
+ *   shift: every AVX2 CPU); the attention reads a bf16 K/V pool, kept in pairs for it (with bf16 dot
+ *   products too where the CPU has them, else widened on load); activations and sums stay fp32. A
+ *   decode step reads half the bytes of fp32's, and every row's sums run in one order whatever the
+ *   batch (batch-invariant), which torch's bf16 paths did not.
  *
  * Built by kvhandoff/model/kernels.py with the system's gcc and -march=native, once per machine
  * (the build cache key includes the CPU flags); loaded with ctypes into a process that already
@@ -180,15 +181,8 @@ static const vnni_t VNNI1[5] = {0, vnni_1_1, vnni_2_1, vnni_3_1, vnni_4_1};
 #ifndef M_BLOCK_BYTES
 #define M_BLOCK_BYTES (128 * 1024)
 #endif
-static void gemm_vnni_side(const float* x, long M, long K, long ldx, const bf16* pw, long N, float* y, long ldy,
-                           int num_threads, const struct side* side);
-
-/* y = x @ W^T, W packed by pack_bf16_vnni; x fp32 [M][K] (row stride ldx), K % 32 == 0 */
-void gemm_bf16_vnni(const float* x, long M, long K, long ldx, const bf16* pw, long N, float* y, long ldy,
-                    int num_threads) {
-  gemm_vnni_side(x, M, K, ldx, pw, N, y, ldy, num_threads, 0);
-}
-
+/* y = x @ W^T, W packed by pack_bf16_vnni; x fp32 [M][K] (row stride ldx), K % 32 == 0; with `side`,
+   its runs prefetched as the tiles go (decode_layer) */
 static void gemm_vnni_side(const float* x, long M, long K, long ldx, const bf16* pw, long N, float* y, long ldy,
                            int num_threads, const struct side* side) {
   if (M == 0 || N == 0)
@@ -241,6 +235,11 @@ static void gemm_vnni_side(const float* x, long M, long K, long ldx, const bf16*
     }
   }
   free(xb);
+}
+
+void gemm_bf16_vnni(const float* x, long M, long K, long ldx, const bf16* pw, long N, float* y, long ldy,
+                    int num_threads) {
+  gemm_vnni_side(x, M, K, ldx, pw, N, y, ldy, num_threads, 0);
 }
 #endif
 
