@@ -39,7 +39,7 @@ class Cluster:
     head_ip: str
     node_ip: str
     head_prefix: tuple[str, ...]            # how to run a command on the head node (its namespace)
-    node_ns: str | None
+    node_ns: str
     temp_dir: str
     starts: dict[str, subprocess.Popen] = field(default_factory=dict)     # "head", "node": `ray start --block`
     bridge: str | None = None

@@ -133,21 +133,6 @@ struct side { const char* base; const int64_t* offsets; long first, end, run_byt
    old sums to the bit): 1.5x slower at 16-256 rows. */
 #define NATIVE_BF16 1
 
-/* lane i = the sum of a[i]'s 16 lanes, by one tree for every lane: ((l0+l2)+(l1+l3)) within each
-   128-bit quarter, then (q0+q1)+(q2+q3) (the attention's scores, 16 tokens at a time) */
-static inline __m512 reduce16(const __m512* a) {
-  __m512 s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; i++)
-    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; i++)
-    s2[i] = _mm512_add_ps((__m512)_mm512_unpacklo_pd((__m512d)s1[2 * i], (__m512d)s1[2 * i + 1]),
-                          (__m512)_mm512_unpackhi_pd((__m512d)s1[2 * i], (__m512d)s1[2 * i + 1]));
-  for (int i = 0; i < 2; i++)
-    s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
-                          _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xdd));
-}
-
 /* MR rows of x (bf16, [MR][K]) against NP panels `pstride` apart: y[MR][NP * 16], columns from the
    first panel's on, `nvalid` of them real (the last panel of a matrix can be partly padding). */
 #define VNNI(MR, NP) \
@@ -352,7 +337,6 @@ struct attend_state { v8 acc[MAX_GROUP * 16]; float m[MAX_GROUP], l[MAX_GROUP]; 
    head at a time): with one per query head, as at first, each was a chain of dependent FMAs one per
    token, and the kernel ran at the FMA's latency rather than at memory speed. */
 #define LOAD_F32(p) (*(const v8u*)(p))
-#define LOAD_BF16(p) widen8(p)
 #define ATTEND(G, DV, T, LOAD) \
 static void attend_##T##_##G##_##DV(const float* q, struct attend_state* st, const void* K_, const void* V_, long n, \
                                     const char* next_k, const char* next_v) { \
@@ -813,8 +797,8 @@ struct decode_batch {
   int num_threads;
 };
 
-static void linear_side(const float* x, long M, long K, long ldx, const struct packed* w, float* y, int threads,
-                        const struct side* side) {
+static void linear(const float* x, long M, long K, long ldx, const struct packed* w, float* y, int threads,
+                   const struct side* side) {
 #ifdef NATIVE_BF16
   if (w->vnni)
     gemm_vnni_side(x, M, K, ldx, w->vnni, w->n, y, w->cols, threads, side);
@@ -827,10 +811,6 @@ static void linear_side(const float* x, long M, long K, long ldx, const struct p
   if (w->bias)
     for (long r = 0; r < M; r++)
       for (long j = 0; j < w->n; j++) y[r * w->cols + j] += w->bias[j];
-}
-
-static void linear(const float* x, long M, long K, long ldx, const struct packed* w, float* y, int threads) {
-  linear_side(x, M, K, ldx, w, y, threads, 0);
 }
 
 /* How many runs of `run_bytes` a linear's tiles prefetch, a tile's K lines at a time (as gemm_vnni_side) */
@@ -878,7 +858,7 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
   int ahead = L->next_k_base != 0;
 
   rms_norm_rows(x, 0, T, H, H, 0, L->norm1, L->eps1, h, threads);
-  linear_side(h, T, H, H, &L->qkv, qkv, threads, &own);
+  linear(h, T, H, H, &L->qkv, qkv, threads, &own);
   rope_store(qkv, T, L->qkv.cols, L->heads, L->kv_heads, D, B->cos_rows, B->sin_rows, L->k_base, L->v_base,
              L->kv_item, L->block_stride, L->block_size, B->slot_block, B->slot_offset, threads);
   #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
@@ -886,9 +866,9 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
     for (long i = 0; i < q_size; i++) qkv[r * L->qkv.cols + i] *= B->scale;
   attention(qkv, L->qkv.cols, att, q_size, T, L->heads, L->kv_heads, D, L->k_base, L->v_base, L->kv_item,
             L->block_stride, L->block_size, B->block_tables, B->max_blocks, 0, B->lens, threads);
-  linear_side(att, T, q_size, q_size, &L->o, o, threads, ahead ? &next_o : 0);
+  linear(att, T, q_size, q_size, &L->o, o, threads, ahead ? &next_o : 0);
   rms_norm_rows(x, o, T, H, H, L->o.cols, L->norm2, L->eps2, h, threads);     /* x += o, h = norm(x) */
-  linear_side(h, T, H, H, &L->gate_up, gu, threads, ahead ? &next_gu : 0);
+  linear(h, T, H, H, &L->gate_up, gu, threads, ahead ? &next_gu : 0);
   #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long r = 0; r < T; r++) {
     const float *g = gu + r * L->gate_up.cols, *u = g + I;
@@ -896,7 +876,7 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
     for (; i + 8 <= I; i += 8) *(v8u*)(act + r * I + i) = silu8(*(const v8u*)(g + i)) * *(const v8u*)(u + i);
     for (; i < I; i++) act[r * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
   }
-  linear_side(act, T, I, I, &L->down, down, threads, ahead ? &next_down : 0);
+  linear(act, T, I, I, &L->down, down, threads, ahead ? &next_down : 0);
   #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long r = 0; r < T; r++)
     for (long i = 0; i < H; i++) x[r * H + i] += down[r * L->down.cols + i];

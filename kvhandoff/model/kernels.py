@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvhandoff.model import paired_kv
 from kvhandoff.model.build_cache import cached_build
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     row_seq = None if row_seq is None else row_seq.contiguous()
     out = torch.empty_like(q)
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
-    assert k_cache.dtype != torch.bfloat16 or block_size % 2 == 0        # bf16 blocks are paired (paired_kv)
+    paired_kv.check_block_size(k_cache.dtype, block_size)
     lib.paged_attention(q.data_ptr(), out.data_ptr(), rows, heads, kv_heads, D, k_cache.data_ptr(), v_cache.data_ptr(),
                         k_cache.element_size(), k_cache.stride(0), block_size, block_tables.data_ptr(), block_tables.shape[1],
                         None if row_seq is None else row_seq.data_ptr(), row_len.data_ptr(), _threads())

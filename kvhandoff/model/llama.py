@@ -307,9 +307,7 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, keys: b
                       dtype=cache.dtype, device=cache.device)
     for head in range(kv_heads):
         torch.index_select(cache[:, head].flatten(1), 0, block_ids, out=out[head].view(-1, block_size * head_dim))
-    if paired_kv.paired(cache.dtype):
-        out = paired_kv.token_major(out.view(kv_heads, -1, block_size, head_dim), keys).view(out.shape)
-    return out
+    return paired_kv.token_major(out.view(kv_heads, -1, block_size, head_dim), keys).view(out.shape)
 
 
 class MLP(nn.Module):
