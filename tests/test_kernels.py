@@ -239,14 +239,14 @@ def test_a_fused_decode_step_gives_the_plain_models_logits(bias):
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 16, 130])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 16, 20, 33, 130])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (41, 136), (8, 1536), (41, 576)])
 def test_gemv_bf16_equals_f_linear_and_each_row_is_batch_invariant(rows, out_features, in_features):
     """A bf16 linear (gemm_bf16_vnni on packed weights with the CPU's bf16 dot products, else gemv_bf16
     widening torch's layout) sums in fp32: F.linear over the same (bf16) weights in fp32, to fp32
     rounding (of x rounded to bf16 where the dot products serve); a row's result is bit-for-bit the
-    same whatever else is in the batch (130 rows: more than one block of rows; 41 outputs: a panel
-    partly padding)."""
+    same whatever else is in the batch (2-32 rows: a decode batch's column tiles, 20 in two chunks; 33
+    and 130: 4 x 4 tiles, 130 in more than one block of rows; 41 outputs: a panel partly padding)."""
     g = torch.Generator().manual_seed(rows * 11 + out_features)
     weight = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g)
