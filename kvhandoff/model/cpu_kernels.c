@@ -169,8 +169,10 @@ static const vnni_t VNNI1[5] = {0, vnni_1_1, vnni_2_1, vnni_3_1, vnni_4_1};
    stalled), the weights prefetched WEIGHTS_AHEAD lines ahead into L2 (one line per 16 rows' steps
    is too thin a stream for the hardware prefetcher alone). x comes interleaved, [K/2][MR] pairs,
    so that every broadcast is one pointer and an offset: with a pointer per row, 16 rows ran out of
-   general registers and spilled. One line of the side runs a step (half a 4 x 4 tile's rate: the
-   weights now take most of what memory gives). SmolLM2's linears (30 layers and the head),
+   general registers and spilled. The side runs one line every `threads` steps: the weights now take
+   most of what memory gives, and the threads share it (16 sequences' whole steps, in one process:
+   a line a step against none 0.97x on one thread, against one every two 1.03x on two threads, where
+   one every two against none gave 0.97x; 2026-12-05). SmolLM2's linears (30 layers and the head),
    alternated in one process against the 4 x 4 tiles (2026-12-05, Zen 4 with AVX512-BF16): 16 rows
    1 thread 20.4 against 26.6 ms, 2 threads 12.8-13.5 against 16.0; 8 rows 12.2 against 18.1 and
    6.9 against 9.7; 2 rows 0.93-0.98x; 32 rows 0.87-0.89x; 48 rows 1.05-1.10x, 256 rows 1.10x (those
@@ -181,12 +183,12 @@ static const vnni_t VNNI1[5] = {0, vnni_1_1, vnni_2_1, vnni_3_1, vnni_4_1};
 #define WEIGHTS_AHEAD 128
 #define COLUMN(MR) \
 static void column_##MR(const bf16* x, long K, const bf16* pw, float* y, long ldy, long nvalid, const char* pf, \
-                        long pf_lines) { \
+                        long pf_lines, long pf_every) { \
   __m512 acc[MR]; \
   for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps(); \
   const int32_t* pairs = (const int32_t*)x; \
   for (long kp = 0; kp < K / 2; kp++) { \
-    if (kp < pf_lines) __builtin_prefetch(pf + 64 * kp, 0, 2); \
+    if (kp % pf_every == 0 && kp / pf_every < pf_lines) __builtin_prefetch(pf + 64 * (kp / pf_every), 0, 2); \
     __m512bh w = (__m512bh)_mm512_loadu_si512(pw + kp * 32); \
     _mm_prefetch((const char*)(pw + (kp + WEIGHTS_AHEAD) * 32), _MM_HINT_T1); \
     for (int i = 0; i < MR; i++) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[kp * MR + i]), w); \
@@ -196,7 +198,7 @@ static void column_##MR(const bf16* x, long K, const bf16* pw, float* y, long ld
 }
 COLUMN(2) COLUMN(3) COLUMN(4) COLUMN(5) COLUMN(6) COLUMN(7) COLUMN(8) COLUMN(9) COLUMN(10) COLUMN(11) COLUMN(12)
 COLUMN(13) COLUMN(14) COLUMN(15) COLUMN(16)
-typedef void (*column_t)(const bf16*, long, const bf16*, float*, long, long, const char*, long);
+typedef void (*column_t)(const bf16*, long, const bf16*, float*, long, long, const char*, long, long);
 static const column_t COLUMNS[COLUMN_ROWS + 1] = {0, 0, column_2, column_3, column_4, column_5, column_6, column_7,
   column_8, column_9, column_10, column_11, column_12, column_13, column_14, column_15, column_16};
 
@@ -259,8 +261,9 @@ static void gemm_vnni_side(const float* x, long M, long K, long ldx, const bf16*
       for (long p = panels * part / num_threads, pe = panels * (part + 1) / num_threads; p < pe; p++)
         for (long c = 0; c < chunks; c++) {
           long m0 = M * c / chunks, m1 = M * (c + 1) / chunks, lines;
-          const char* pf = side_take(&cursor, K / 2, &lines);
-          COLUMNS[m1 - m0](xb + m0 * K, K, pw + p * pstride, y + m0 * ldy + 16 * p, ldy, N - 16 * p, pf, lines);
+          const char* pf = side_take(&cursor, K / 2 / num_threads, &lines);
+          COLUMNS[m1 - m0](xb + m0 * K, K, pw + p * pstride, y + m0 * ldy + 16 * p, ldy, N - 16 * p, pf, lines,
+                           num_threads);
         }
     }
     free(xb);
@@ -899,7 +902,7 @@ static long side_capacity(long M, long K, const struct packed* w, long run_bytes
   long panels = (w->n + 15) / 16;
 #ifdef NATIVE_BF16
   if (uses_columns(M))
-    return panels * column_chunks(M) * (K / 2) * 64 / run_bytes;
+    return panels * column_chunks(M) * (K / 2 / threads) * 64 / run_bytes;
 #endif
   long np = M == 1 && threads == 1 ? 8 : 4, calls = (panels + np - 1) / np * ((M + 3) / 4);
   return calls * K * 64 / run_bytes;
@@ -919,7 +922,8 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
      the next layer's from its first block on, the next layer's qkv the rest. A run is one (row,
      block) of a layer, K of every head then V; a prompt's rows (one sequence, growing lengths) count
      once, by their last. SmolLM2 bf16, 16 sequences at 1,024 tokens, whole decode steps alternated in
-     one process: 3.7-4.1% faster on one thread, 5.7-6.3% on two; 8 sequences 3.3%. One sequence's
+     one process: with 4 x 4 tiles 3.7-4.1% faster on one thread, 5.7-6.3% on two, 8 sequences 3.3%;
+     with column tiles, which leave memory less idle, ~3% on either (see COLUMN). One sequence's
      linears are memory-bound: there it made no difference beyond the noise (0.986-1.021), so rows
      below SIDE_MIN_ROWS prefetch nothing. */
   long runs = 0, run_bytes = 2 * L->kv_heads * L->block_size * D * L->kv_item;
