@@ -896,7 +896,7 @@ static void linear(const float* x, long M, long K, long ldx, const struct packed
 }
 
 /* How many runs of `run_bytes` a linear's tiles prefetch, as gemm_vnni_side hands them out: a 4 x 4
-   tile K lines, a column tile K / 2 */
+   tile K lines, a column tile K / 2 / threads */
 static long side_capacity(long M, long K, const struct packed* w, long run_bytes, int threads) {
   if (!w->vnni) return 0;
   long panels = (w->n + 15) / 16;
