@@ -782,9 +782,9 @@ void paged_attention(const float* q, float* out, long rows, long heads, long kv_
 /* out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps); with delta, first x[r] += delta[r] (residual). */
 /* Row loops of decode_layer share threads only for a prompt's many rows: at a decode step's few,
    starting them costs more than the loop. Except the two with real work per row, RoPE with the K/V
-   store (~1 us a row: the bf16 conversions) and SiLU (the intermediate width): from 4 rows they
-   share (16 SmolLM2 sequences on two threads, whole steps alternated in one process: 0.978-0.982x;
-   4 sequences 0.988x; 2026-12-05). */
+   store (~1 us a row; not its bf16 conversions, which 8 at a time changed nothing) and SiLU (the
+   intermediate width): from 4 rows they share (16 SmolLM2 sequences on two threads, whole steps
+   alternated in one process: 0.978-0.982x; 4 sequences 0.988x; 2026-12-05). */
 #define PAR_ROWS 32
 #define PAR_WORK_ROWS 4
 
