@@ -170,7 +170,9 @@ def test_bad_ray_set_ups_say_what_is_wrong_at_once(cluster, tmp_path):
     r = up("--ray", nobody)
     assert r.returncode == 1 and f"--ray {nobody}: no Ray cluster answers there" in r.stdout, r.stdout + r.stderr
     r = up("--ray", cluster.address, "--decode", "3", "--decode-resources", "kvh_decode=1", "--placement-timeout", "3")
-    assert r.returncode == 1 and "did not place decode-2 within 3 s" in r.stdout, r.stdout + r.stderr
+    # which of the three decode workers Ray leaves out is its scheduler's choice (in one CI run decode-0
+    # waited while decode-2 got a node), so any may be named
+    assert r.returncode == 1 and re.search(r"did not place [^\n]*decode-\d[^\n]* within 3 s", r.stdout), r.stdout + r.stderr
     assert "kvh_decode: the fleet needs 3, the cluster has 2" in r.stdout, r.stdout
     assert "Traceback" not in r.stdout + r.stderr
     r = up("--prefill-resources", "x=1")
