@@ -117,6 +117,10 @@ static const dot8_t DOTS8[5] = {0, dot8_1, dot8_2, dot8_3, dot8_4};
    [first, end), run i the run_bytes at base + offsets[i]. */
 struct side { const char* base; const int64_t* offsets; long first, end, run_bytes; };
 
+/* Panels a tile of gemm_vnni_side's row tiles spans: one row on one thread 8 (8 weight streams at
+   once), else 4 (4 x 4 tiles) */
+static long tile_panels(long M, int threads) { return M == 1 && threads == 1 ? 8 : 4; }
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 /* Native bf16 dot products (AVX512-BF16) on weights packed once at load (pack_bf16_vnni): panels of
    16 outputs, each [K/2][16][2], so that one 64-byte load holds a pair of k for 16 outputs and one
@@ -207,6 +211,12 @@ static long column_chunks(long M) { return (M + COLUMN_ROWS - 1) / COLUMN_ROWS; 
 
 /* A thread's share of the side runs, handed out `lines` at a time: where the next tile prefetches */
 struct side_cursor { const struct side* side; long run, end, at; };
+static struct side_cursor side_share(const struct side* side, long part, long parts) {
+  if (!side)
+    return (struct side_cursor){0, 0, 0, 0};
+  long n = side->end - side->first;
+  return (struct side_cursor){side, side->first + n * part / parts, side->first + n * (part + 1) / parts, 0};
+}
 static const char* side_take(struct side_cursor* c, long max_lines, long* lines) {
   *lines = 0;
   if (c->run >= c->end)
@@ -222,20 +232,20 @@ static const char* side_take(struct side_cursor* c, long max_lines, long* lines)
 /* x (fp32, row stride ldx) rounded to bf16: [M][K], or for columns each chunk of rows [K/2][rows] */
 static bf16* bf16_rows(const float* x, long M, long K, long ldx) {
   bf16* xb = aligned_alloc(64, ((M * K * sizeof(bf16) + 63) / 64) * 64);
+  bf16* rows = uses_columns(M) ? malloc(M * K * sizeof(bf16)) : xb;      /* [M][K], interleaved into xb below */
   for (long m = 0; m < M; m++)
     for (long k = 0; k < K; k += 32) {
       __m512 lo = _mm512_loadu_ps(x + m * ldx + k), hi = _mm512_loadu_ps(x + m * ldx + k + 16);
-      _mm512_storeu_si512(xb + m * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(rows + m * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
-  if (!uses_columns(M))
+  if (rows == xb)
     return xb;
-  int32_t* rows = malloc(M * K * sizeof(bf16));
-  memcpy(rows, xb, M * K * sizeof(bf16));
+  const int32_t* pairs = (const int32_t*)rows;
   for (long c = 0, chunks = column_chunks(M); c < chunks; c++) {
     long m0 = M * c / chunks, mr = M * (c + 1) / chunks - m0;
     int32_t* out = (int32_t*)(xb + m0 * K);
     for (long kp = 0; kp < K / 2; kp++)
-      for (long i = 0; i < mr; i++) out[kp * mr + i] = rows[(m0 + i) * (K / 2) + kp];
+      for (long i = 0; i < mr; i++) out[kp * mr + i] = pairs[(m0 + i) * (K / 2) + kp];
   }
   free(rows);
   return xb;
@@ -256,8 +266,7 @@ static void gemm_vnni_side(const float* x, long M, long K, long ldx, const bf16*
     long chunks = column_chunks(M);
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (long part = 0; part < num_threads; part++) {
-      struct side_cursor cursor = {side, side ? side->first + (side->end - side->first) * part / num_threads : 0,
-                                   side ? side->first + (side->end - side->first) * (part + 1) / num_threads : 0, 0};
+      struct side_cursor cursor = side_share(side, part, num_threads);
       for (long p = panels * part / num_threads, pe = panels * (part + 1) / num_threads; p < pe; p++)
         for (long c = 0; c < chunks; c++) {
           long m0 = M * c / chunks, m1 = M * (c + 1) / chunks, lines;
@@ -269,8 +278,7 @@ static void gemm_vnni_side(const float* x, long M, long K, long ldx, const bf16*
     free(xb);
     return;
   }
-  /* 1 row on one thread: 8 panels (8 weight streams) at once; else 4 x 4 tiles */
-  long np = M == 1 && num_threads == 1 ? 8 : 4;
+  long np = tile_panels(M, num_threads);
   /* Many rows (a prompt's): MB rows at a time, so that their inputs stay in L2 while every panel
      passes over them. */
   long MB = M_BLOCK_BYTES / (K * (long)sizeof(bf16));
@@ -282,8 +290,7 @@ static void gemm_vnni_side(const float* x, long M, long K, long ldx, const bf16*
        1-2% longer (alternated in one process, SmolLM2's 30 layers). */
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (long part = 0; part < num_threads; part++) {
-      struct side_cursor cursor = {side, side ? side->first + (side->end - side->first) * part / num_threads : 0,
-                                   side ? side->first + (side->end - side->first) * (part + 1) / num_threads : 0, 0};
+      struct side_cursor cursor = side_share(side, part, num_threads);
       for (long p0 = panels * part / num_threads, pe = panels * (part + 1) / num_threads; p0 < pe; p0 += np) {
         long pn = pe - p0 < np ? pe - p0 : np;
         for (long m0 = mb; m0 < me; m0 += 4) {
@@ -908,7 +915,7 @@ static long side_capacity(long M, long K, const struct packed* w, long run_bytes
   if (uses_columns(M))
     return panels * column_chunks(M) * (K / 2 / threads) * 64 / run_bytes;
 #endif
-  long np = M == 1 && threads == 1 ? 8 : 4, calls = (panels + np - 1) / np * ((M + 3) / 4);
+  long np = tile_panels(M, threads), calls = (panels + np - 1) / np * ((M + 3) / 4);
   return calls * K * 64 / run_bytes;
 }
 
