@@ -104,7 +104,11 @@ def test_cached_prefill_and_limits(report):
                                       "new_tokens_alone_ms"}
     for name, figure in limits["figures"].items():
         assert figure["floor"] > 0 and figure["x_floor"] == pytest.approx(figure["measured"] / figure["floor"], rel=0.01), name
-    assert "x floor" in stdout and "GFLOP/s" in stdout
+    for name in ("tpot_ms", "concurrent_step_ms"):          # read rates measured beside each round (one here)
+        figure = limits["figures"][name]
+        assert len(figure["read_gbps_per_round"]) == 1 and figure["read_gbps_per_round"][0] > 0, figure
+        assert figure["x_floor_per_round"] == [figure["x_floor"]], figure
+    assert "x floor" in stdout and "GFLOP/s" in stdout and "GB/s beside its rounds" in stdout
 
 
 def test_dtypes_compare_sets_each_dtype_beside_its_own_floor(report):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvhandoff.bench.limits import MachineRates, ModelWork
+from kvhandoff.bench.limits import MachineRates, ModelWork, paired_decode_floor
 from kvhandoff.config import ModelConfig
 
 SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -41,3 +41,17 @@ def test_decode_floor_is_bandwidth_or_compute_whichever_is_slower():
     _, flops = work.decode_step(64, 1024)
     assert many == pytest.approx(flops / 40e9)                       # 64 sequences: compute-bound
     assert rates.prefill_floor_s(work, 1024) == pytest.approx(sum(work.prefill_flops(1024)) / 40e9)
+
+
+def test_each_round_is_set_beside_the_floor_at_its_own_read_rate():
+    """A round run while other tenants halved the read rate took twice as long: against its own floor
+    it is as close as the others (a ratio of medians would call it 1.5x off)."""
+    work = ModelWork.of(SMOLLM2_135M, torch.float32)
+    rates = MachineRates(threads=1, dtype="float32", matmul_gflops=1e6, read_gbps=99.0)   # read_gbps unused
+    floor_at_20 = 585.2e6 / 20e9 * 1e3
+    paired = paired_decode_floor(rates, work, 1, 1024, [1.2 * floor_at_20, 2.4 * floor_at_20, 1.2 * floor_at_20],
+                                 [20.0, 10.0, 20.0])
+    assert paired.x_per_round == pytest.approx([1.2, 1.2, 1.2], rel=1e-3)
+    assert paired.x_floor == pytest.approx(1.2, rel=1e-3) and paired.floor_ms == pytest.approx(floor_at_20, rel=1e-3)
+    with pytest.raises(AssertionError):
+        paired_decode_floor(rates, work, 1, 1024, [1.0, 2.0], [20.0])      # a round without its rate

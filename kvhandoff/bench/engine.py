@@ -23,7 +23,9 @@ Ours only:
               prefill chunk of --mixed-chunk tokens (needs --concurrency >= 3).
   limits      the machine's rates measured on the same threads (matrix throughput of the dtype at
               the prefill's shapes, memory read bandwidth) and each figure beside its floor
-              (kvhandoff.bench.limits): how much of the machine the engine leaves unused.
+              (kvhandoff.bench.limits): how much of the machine the engine leaves unused. The
+              decode figures' read rate is measured right after each of their rounds, and each
+              round is set beside its own floor (the rate moves with other tenants' load).
 
 HF runs a manual greedy loop over model.forward with past_key_values (exactly the forward passes
 `generate` makes, without its logits-processor / stopping-criteria bookkeeping, i.e. HF's best
@@ -56,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.bench.limits import ModelWork, as_dict, probe
+from kvhandoff.bench.limits import ModelWork, as_dict, measure_read_gbps, paired_decode_floor, probe, read_buffer
 from kvhandoff.bench.meta import cpu_model, git_commit, log, median
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
@@ -73,6 +75,7 @@ BUSY_WAIT_SHARE = 0.05          # a run whose threads waited for a core longer t
 # ours: the engine as served; torch: the same engine on torch's paths only (cpu_kernels=False: what
 # main ran before the kernels, the A/B for them); hf: Hugging Face transformers.
 SIDES = ("ours", "torch", "hf")
+DECODE_KINDS = ("tpot", "concurrent")      # figures whose floor is the memory read rate
 
 _ids = itertools.count()
 
@@ -192,8 +195,9 @@ def hf_decode(model, prompts: list[list[int]], n: int) -> tuple[float, float, li
 
 # ---- the run -----------------------------------------------------------------------------------
 
-def run_pair(name: str, threads: int, fns: dict, record: dict, round_index: int) -> None:
-    """Run each side once (order alternates per round) with the load average noted before each."""
+def run_pair(name: str, threads: int, fns: dict, record: dict, round_index: int, after=None) -> None:
+    """Run each side once (order alternates per round) with the load average noted before each;
+    after(side), if given, right after each side's measurement (outside its time)."""
     order = list(fns) if round_index % 2 == 0 else list(fns)[::-1]
     for side in order:
         torch.set_num_threads(threads)      # process-wide: set before every timed block
@@ -217,6 +221,8 @@ def run_pair(name: str, threads: int, fns: dict, record: dict, round_index: int)
             record[side]["last_output"] = extra
         log(f"  {name:<10} threads={threads} {side:<8} {value:10.2f} {record['unit']:<6} load={load[0]:.2f} "
             f"cpu_share={cpu_share:.2f} runq_wait={'-' if waited is None else f'{waited:.2f}'}")
+        if after is not None:
+            after(side)
 
 
 def summarize(record: dict, higher_is_better: bool) -> None:
@@ -361,6 +367,8 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
         fns_of["hf"] = {"prefill": hf_prefill_ms, **decode_measures(functools.partial(hf_decode, hf))}
     units = {"prefill": "ms", "tpot": "ms", "concurrent": "tok/s"}
     records = {k: new_record(units[k], sides) for k in units}
+    for kind in DECODE_KINDS:
+        records[kind]["ours"]["read_gbps_runs"] = []
     cached = CachedPrefill(args, engine) if args.cached_prefix else None
     steps = DecodeSteps(args, engine, prompts) if args.mixed_chunk and len(prompts) >= 3 else None
 
@@ -377,11 +385,23 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     for extra in (cached, steps):
         if extra:
             extra.warm_up()
+    # A decode figure's floor is set by the memory read rate, which other tenants of a shared machine
+    # move by tens of percent within minutes (2 threads here: 34-60 GB/s in one morning). So it is
+    # measured right after each decode measurement of ours, on the same threads, and every round's
+    # figure is set beside its own floor (limits_of).
+    buffer = read_buffer()
+
+    def read_rate_after(kind: str):
+        def after(side: str) -> None:
+            if side == "ours":
+                rate = measure_read_gbps(repeats=3, buffer=buffer)
+                records[kind]["ours"]["read_gbps_runs"].append(round(rate, 2))
+        return after if kind in DECODE_KINDS else None
     for r in range(args.repeats):
         log(f"threads={threads}: round {r + 1}/{args.repeats}")
         for kind in units:
             fns = {side: fns_of[side][kind] for side in sides}
-            run_pair(kind, threads, fns, records[kind], r)
+            run_pair(kind, threads, fns, records[kind], r, read_rate_after(kind))
         if cached:
             run_pair("cached", threads, {"ours": cached.measure}, cached.record, r)
         if steps:
@@ -394,6 +414,7 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
         records["cached_prefill"] = cached.summary()
     if steps:
         records["decode_steps"] = steps.summary()
+    del buffer
 
     # Correctness beside speed: greedy tokens of ours vs HF (single stream, same prompt), and ours
     # batched vs ours alone (batch invariance). bf16 kernels differ, so a late divergence can be a
@@ -425,13 +446,17 @@ def limits_of(args, engine: LLMEngine, threads: int, records: dict) -> dict:
     rates = probe(engine.model_config, engine.dtype, threads, args.prompt_len)
     P, D, C = args.prompt_len, args.decode_tokens, args.concurrency
     context = P + D // 2                                # the mean context over the decode
-    figures = {
-        "prefill_ms": (records["prefill"]["ours"]["median"], rates.prefill_floor_s(work, P) * 1e3),
-        "tpot_ms": (records["tpot"]["ours"]["median"], rates.decode_step_floor_s(work, 1, context) * 1e3),
-        # Throughput as the time of one step of all C sequences, so that every ratio reads "x floor".
-        "concurrent_step_ms": (C * 1e3 / records["concurrent"]["ours"]["median"],
-                               rates.decode_step_floor_s(work, C, context) * 1e3),
-    }
+    figures = {"prefill_ms": (records["prefill"]["ours"]["median"], rates.prefill_floor_s(work, P) * 1e3)}
+    decode = {}
+    # Throughput as the time of one step of all C sequences, so that every ratio reads "x floor".
+    for name, kind, seqs, as_ms in (("tpot_ms", "tpot", 1, lambda v: v),
+                                    ("concurrent_step_ms", "concurrent", C, lambda v: C * 1e3 / v)):
+        ours = records[kind]["ours"]
+        paired = paired_decode_floor(rates, work, seqs, context, [as_ms(v) for v in ours["runs"]],
+                                     ours["read_gbps_runs"])
+        figures[name] = (as_ms(ours["median"]), paired.floor_ms)
+        decode[name] = {"x_floor": round(paired.x_floor, 3), "read_gbps_per_round": ours["read_gbps_runs"],
+                        "x_floor_per_round": [round(x, 3) for x in paired.x_per_round]}
     if "cached_prefill" in records:
         rec = records["cached_prefill"]
         figures["cached_prefill_ms"] = (rec["ours"]["median"],
@@ -439,7 +464,7 @@ def limits_of(args, engine: LLMEngine, threads: int, records: dict) -> dict:
         figures["new_tokens_alone_ms"] = (rec["alone_median_ms"], rates.prefill_floor_s(work, rec["new_tokens"]) * 1e3)
     matmul, attention = work.prefill_flops(P)
     return {"rates": as_dict(rates),
-            "figures": {k: {"measured": round(m, 3), "floor": round(f, 4), "x_floor": round(m / f, 3)}
+            "figures": {k: {"measured": round(m, 3), "floor": round(f, 4), "x_floor": round(m / f, 3)} | decode.get(k, {})
                         for k, (m, f) in figures.items()},
             # The prefill's FLOPs over its measured time, as a share of the measured matmul rate.
             "prefill_share_of_matmul_rate": round((matmul + attention) / (records["prefill"]["ours"]["median"] / 1e3)
@@ -584,10 +609,14 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
               f"memory read {r['read_gbps']:.1f} GB/s; the prefill ran at {lim['prefill_share_of_matmul_rate']:.2f}x "
               f"the matmul rate")
         for name, f in lim["figures"].items():
-            print(f"{t:>3}  {name:<24} {f['measured']:>9.1f} {f['floor']:>9.1f} {f['x_floor']:>7.2f}x")
+            per_round = f.get("read_gbps_per_round")
+            rounds = "" if not per_round else \
+                f"   read {min(per_round):.1f}-{max(per_round):.1f} GB/s beside its rounds"
+            print(f"{t:>3}  {name:<24} {f['measured']:>9.1f} {f['floor']:>9.1f} {f['x_floor']:>7.2f}x{rounds}")
     print("  floors: prefill = (matmul + attention FLOPs) / matmul rate; a decode step = the larger of (weights + "
           "every sequence's K/V) / read bandwidth\n  and its FLOPs / matmul rate; concurrent_step_ms = the time "
-          "one step of all sequences took.\n")
+          "one step of all sequences took. A decode figure's read rate is\n  measured right after each of its "
+          "rounds: x floor is the median of the rounds' own ratios, floor the median of their floors.\n")
     head = f"{'thr':>3}  {'goal':<58} {'value':>8} {'target':>8}  met"
     print(head + "\n" + "-" * len(head))
     for g in goals:

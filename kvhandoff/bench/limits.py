@@ -11,8 +11,9 @@ So a figure's ratio to its floor says how much of the machine the engine leaves 
 """
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,23 @@ class MachineRates:
         return max(nbytes / (self.read_gbps * 1e9), flops / (self.matmul_gflops * 1e9))
 
 
+@dataclass(frozen=True)
+class PairedFloor:
+    """A decode figure over rounds, each round beside the floor at the read rate measured with it."""
+    floor_ms: float                 # the median of the rounds' floors
+    x_floor: float                  # the median of the rounds' own ratios (not a ratio of medians)
+    x_per_round: list[float]
+
+
+def paired_decode_floor(rates: MachineRates, work: ModelWork, num_seqs: int, context: int,
+                        step_ms_per_round: list[float], read_gbps_per_round: list[float]) -> PairedFloor:
+    assert len(step_ms_per_round) == len(read_gbps_per_round) > 0
+    floors = [replace(rates, read_gbps=gbps).decode_step_floor_s(work, num_seqs, context) * 1e3
+              for gbps in read_gbps_per_round]
+    ratios = [ms / floor for ms, floor in zip(step_ms_per_round, floors)]
+    return PairedFloor(statistics.median(floors), statistics.median(ratios), ratios)
+
+
 def _median_time(fn, repeats: int) -> float:
     fn()                                                    # warm-up: kernel selection, page faults
     times = []
@@ -94,11 +112,16 @@ def measure_matmul_gflops(cfg: ModelConfig, dtype: torch.dtype, rows: int, repea
     return flops / _median_time(run, repeats) / 1e9
 
 
-def measure_read_gbps(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+def read_buffer(nbytes: int = 512 << 20) -> torch.Tensor:
+    """A buffer far larger than any cache, for measure_read_gbps (allocated and touched once)."""
+    return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
+def measure_read_gbps(nbytes: int = 512 << 20, repeats: int = 5, buffer: torch.Tensor | None = None) -> float:
     """Streaming read: a sum over a buffer far larger than any cache (the sum's arithmetic is far
     cheaper than the bytes, so the memory is what it measures)."""
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / _median_time(buffer.sum, repeats) / 1e9
+    buffer = read_buffer(nbytes) if buffer is None else buffer
+    return buffer.numel() * buffer.element_size() / _median_time(buffer.sum, repeats) / 1e9
 
 
 def probe(cfg: ModelConfig, dtype: torch.dtype, threads: int, prefill_rows: int) -> MachineRates:
