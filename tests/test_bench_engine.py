@@ -118,4 +118,7 @@ def test_dtypes_compare_sets_each_dtype_beside_its_own_floor(report):
         floor = compared["floors"][dtype]
         assert floor["prefill_ms"] > 0 and floor["tpot_ms"] > 0 and floor["rates"]["matmul_gflops"] > 0, floor
         assert compared["tpot"][dtype]["median"] > 0
+        # TPOT's read rate measured beside its round (one here): its x floor is that round's own
+        assert len(floor["read_gbps_per_round"]) == 1 and floor["read_gbps_per_round"][0] > 0, floor
+        assert floor["tpot_x_floor"] == pytest.approx(compared["tpot"][dtype]["median"] / floor["tpot_ms"], rel=0.01)
     assert stdout.count("x its floor") == 4, stdout[-2000:]

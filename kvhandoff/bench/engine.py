@@ -493,12 +493,17 @@ def bench_dtypes(args, engines: dict[str, LLMEngine], prompt: list[int]) -> dict
     log("dtypes-compare: warm-up")
     for e in engines.values():
         ours_prefill(e, prompt); ours_decode(e, [prompt], min(D, 8))
+    buffer, reads = read_buffer(), {k: [] for k in engines}     # each TPOT round beside its own floor
+
+    def read_rate(side: str) -> None:
+        reads[side].append(round(measure_read_gbps(repeats=3, buffer=buffer), 2))
     for r in range(args.repeats):
         log(f"dtypes-compare: round {r + 1}/{args.repeats}")
         run_pair("prefill", 1, {k: (lambda e=e: (ours_prefill(e, prompt)[0] * 1e3, None))
                                 for k, e in engines.items()}, out["prefill"], r)
         run_pair("tpot", 1, {k: (lambda e=e: (ours_decode(e, [prompt], D)[1] * 1e3 / (D - 1), None))
-                             for k, e in engines.items()}, out["tpot"], r)
+                             for k, e in engines.items()}, out["tpot"], r, read_rate)
+    del buffer
     for kind in ("prefill", "tpot"):
         rec = out[kind]
         for k in engines:
@@ -512,8 +517,10 @@ def bench_dtypes(args, engines: dict[str, LLMEngine], prompt: list[int]) -> dict
     for name, e in engines.items():
         log(f"dtypes-compare: limit probe in {name}")
         work, rates = ModelWork.of(e.model_config, e.dtype), probe(e.model_config, e.dtype, 1, len(prompt))
+        tpot = paired_decode_floor(rates, work, 1, len(prompt) + D // 2, out["tpot"][name]["runs"], reads[name])
         out["floors"][name] = {"rates": as_dict(rates), "prefill_ms": rates.prefill_floor_s(work, len(prompt)) * 1e3,
-                               "tpot_ms": rates.decode_step_floor_s(work, 1, len(prompt) + D // 2) * 1e3}
+                               "tpot_ms": tpot.floor_ms, "tpot_x_floor": round(tpot.x_floor, 3),
+                               "read_gbps_per_round": reads[name]}
     return out
 
 
@@ -630,7 +637,8 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
             sides = []
             for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
                 ms, floor = r[dtype]["median"], dtypes["floors"][dtype][f"{kind}_ms"]
-                sides.append(f"{short} {ms:9.1f} ({ms / floor:.2f}x its floor {floor:.1f})")
+                x_floor = dtypes["floors"][dtype].get(f"{kind}_x_floor", ms / floor)     # TPOT: per round
+                sides.append(f"{short} {ms:9.1f} ({x_floor:.2f}x its floor {floor:.1f})")
             print(f"     {label:<24} {'  '.join(sides)}  bf16 speedup {r['bf16_speedup']:.2f}x")
 
 
