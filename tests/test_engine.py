@@ -18,6 +18,7 @@ from kvhandoff.engine.holds import Hold, set_aside_owner
 from kvhandoff.engine.kv_connector import KVConnector, KVEvents, Lost
 from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestState, SamplingParams
+from kvhandoff.engine.sampler import greedy_tokens
 from kvhandoff.model.llama import prompt_logits
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -186,6 +187,22 @@ def test_seeded_sampling_is_reproducible(engine, prompts):
     c = engine.generate(prompts[:3], SamplingParams(max_tokens=32, temperature=1.0, seed=8, ignore_eos=True))
     assert a == b
     assert a != c
+
+
+def test_greedy_tokens_are_torch_argmax_to_the_index():
+    """The sampler's argmax (numpy's, for speed) picks what torch.argmax picks, also for ties (the
+    first), NaN (the first NaN), infinities and a row masked to -inf throughout."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for trial in range(200):
+            rows, vocab = 1 + trial % 17, 1 + int(torch.randint(1, 3000, (1,), generator=gen))
+            logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float()       # small ints: many ties
+            specials = torch.tensor([float("nan"), float("inf"), float("-inf")])
+            picks = torch.rand(rows, vocab, generator=gen)
+            logits[picks < 0.01] = specials[trial % 3]
+            if trial % 5 == 0:
+                logits[0] = float("-inf")
+            assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist(), trial
 
 
 def test_top_k_one_is_greedy(engine, prompts, reference):
