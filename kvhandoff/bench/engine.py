@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.bench.limits import ModelWork, as_dict, measure_read_gbps, paired_decode_floor, probe, read_buffer
+from kvhandoff.bench.limits import ModelWork, RoundReadRates, as_dict, paired_decode_floor, probe
 from kvhandoff.bench.meta import cpu_model, git_commit, log, median
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
@@ -389,19 +389,13 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     # move by tens of percent within minutes (2 threads here: 34-60 GB/s in one morning). So it is
     # measured right after each decode measurement of ours, on the same threads, and every round's
     # figure is set beside its own floor (limits_of).
-    buffer = read_buffer()
-
-    def read_rate_after(kind: str):
-        def after(side: str) -> None:
-            if side == "ours":
-                rate = measure_read_gbps(repeats=3, buffer=buffer)
-                records[kind]["ours"]["read_gbps_runs"].append(round(rate, 2))
-        return after if kind in DECODE_KINDS else None
+    round_reads = RoundReadRates()
     for r in range(args.repeats):
         log(f"threads={threads}: round {r + 1}/{args.repeats}")
         for kind in units:
             fns = {side: fns_of[side][kind] for side in sides}
-            run_pair(kind, threads, fns, records[kind], r, read_rate_after(kind))
+            after = round_reads.after({"ours": records[kind]["ours"]["read_gbps_runs"]}) if kind in DECODE_KINDS else None
+            run_pair(kind, threads, fns, records[kind], r, after)
         if cached:
             run_pair("cached", threads, {"ours": cached.measure}, cached.record, r)
         if steps:
@@ -414,7 +408,7 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
         records["cached_prefill"] = cached.summary()
     if steps:
         records["decode_steps"] = steps.summary()
-    del buffer
+    del round_reads                                     # (its 512 MB, before limits_of probes with its own)
 
     # Correctness beside speed: greedy tokens of ours vs HF (single stream, same prompt), and ours
     # batched vs ours alone (batch invariance). bf16 kernels differ, so a late divergence can be a
@@ -493,17 +487,14 @@ def bench_dtypes(args, engines: dict[str, LLMEngine], prompt: list[int]) -> dict
     log("dtypes-compare: warm-up")
     for e in engines.values():
         ours_prefill(e, prompt); ours_decode(e, [prompt], min(D, 8))
-    buffer, reads = read_buffer(), {k: [] for k in engines}     # each TPOT round beside its own floor
-
-    def read_rate(side: str) -> None:
-        reads[side].append(round(measure_read_gbps(repeats=3, buffer=buffer), 2))
+    round_reads, reads = RoundReadRates(), {k: [] for k in engines}     # each TPOT round beside its own floor
     for r in range(args.repeats):
         log(f"dtypes-compare: round {r + 1}/{args.repeats}")
         run_pair("prefill", 1, {k: (lambda e=e: (ours_prefill(e, prompt)[0] * 1e3, None))
                                 for k, e in engines.items()}, out["prefill"], r)
         run_pair("tpot", 1, {k: (lambda e=e: (ours_decode(e, [prompt], D)[1] * 1e3 / (D - 1), None))
-                             for k, e in engines.items()}, out["tpot"], r, read_rate)
-    del buffer
+                             for k, e in engines.items()}, out["tpot"], r, round_reads.after(reads))
+    del round_reads
     for kind in ("prefill", "tpot"):
         rec = out[kind]
         for k in engines:

@@ -124,6 +124,21 @@ def measure_read_gbps(nbytes: int = 512 << 20, repeats: int = 5, buffer: torch.T
     return buffer.numel() * buffer.element_size() / _median_time(buffer.sum, repeats) / 1e9
 
 
+class RoundReadRates:
+    """The read rate measured right after each round of a decode figure, so that every round is set
+    beside its own floor (paired_decode_floor): one buffer for the whole run, three timed sums a round."""
+
+    def __init__(self):
+        self.buffer = read_buffer()
+
+    def after(self, runs: dict[str, list[float]]):
+        """A callback for the bench's run_pair: the rate, appended to runs[side] for the sides it has."""
+        def record(side: str) -> None:
+            if side in runs:
+                runs[side].append(round(measure_read_gbps(repeats=3, buffer=self.buffer), 2))
+        return record
+
+
 def probe(cfg: ModelConfig, dtype: torch.dtype, threads: int, prefill_rows: int) -> MachineRates:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
