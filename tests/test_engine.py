@@ -19,6 +19,7 @@ from kvhandoff.engine.kv_connector import KVConnector, KVEvents, Lost
 from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestState, SamplingParams
 from kvhandoff.engine.sampler import greedy_tokens
+from kvhandoff.model import kernels
 from kvhandoff.model.llama import prompt_logits
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -190,8 +191,9 @@ def test_seeded_sampling_is_reproducible(engine, prompts):
 
 
 def test_greedy_tokens_are_torch_argmax_to_the_index():
-    """The sampler's argmax (numpy's, for speed) picks what torch.argmax picks, also for ties (the
-    first), NaN (the first NaN), infinities and a row masked to -inf throughout."""
+    """The sampler's argmax (the CPU kernels', else numpy's, for speed) picks what torch.argmax picks,
+    also for ties (the first), NaN (the first NaN), infinities, a row masked to -inf throughout, and
+    rows wider apart than their length (a slice of the logits)."""
     gen = torch.Generator().manual_seed(5)
     with torch.inference_mode():
         for trial in range(200):
@@ -202,7 +204,13 @@ def test_greedy_tokens_are_torch_argmax_to_the_index():
             logits[picks < 0.01] = specials[trial % 3]
             if trial % 5 == 0:
                 logits[0] = float("-inf")
-            assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist(), trial
+            if trial % 7 == 0 and vocab > 1:
+                logits = logits[:, :vocab - 1 - trial % (vocab - 1)]
+            expected = logits.argmax(dim=-1).tolist()
+            assert greedy_tokens(logits) == expected, trial
+            assert logits.numpy().argmax(axis=-1).tolist() == expected, trial      # (the fallback)
+            if kernels.available():
+                assert kernels.argmax_rows(logits) == expected, trial
 
 
 def test_top_k_one_is_greedy(engine, prompts, reference):

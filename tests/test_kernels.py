@@ -324,6 +324,36 @@ def test_a_bf16_fused_decode_step_gives_the_reference_logits(bias):
     assert (got - exact).abs().max() < (decode_step_logits(plain, prompts, 16).float() - exact).abs().max()
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_in_c_equal_torchs_and_refuse_ids_outside_the_vocabulary(dtype):
+    """kernels.embed_rows (a decode step's token rows, widened to fp32 in one call) against
+    torch's embedding, repeated and unordered ids included; an id outside the table is an IndexError,
+    not a read beyond it."""
+    g = torch.Generator().manual_seed(8)
+    table = torch.randn(300, 136, generator=g).to(dtype)
+    ids = torch.tensor([5, 0, 299, 5, 17])
+    assert torch.equal(kernels.embed_rows(table, ids), F.embedding(ids, table).float())
+    assert kernels.embed_rows(table, ids[:0]).shape == (0, 136)
+    for bad in (300, -1):
+        with pytest.raises(IndexError, match=f"token id {bad} is out of range for a vocabulary of 300"):
+            kernels.embed_rows(table, torch.tensor([3, bad]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_row_beyond_ropes_table_is_an_error_not_a_read_past_it(dtype):
+    """FusedDecode looks RoPE's angles up by position in C: a position outside the table (a model
+    built for fewer positions than a request reached) raises before any layer runs."""
+    plain = small_model(False, seed=6).to(dtype)
+    cfg = plain.cfg
+    fused = LlamaModel(cfg, max_positions=20).eval().to(dtype)
+    fused.load_state_dict(plain.state_dict())
+    fused.use_cpu_kernels()
+    assert fused.fused_decode is not None
+    with pytest.raises(IndexError, match="position 20 is beyond RoPE's table of 20"):
+        decode_step_logits(fused, [[1, 2, 3], list(range(20))], 16)
+
+
 def last_token_logits(model: LlamaModel, prompt: list[int], chunks: list[int], beside: list[int] | None = None,
                       block_size: int = 16) -> torch.Tensor:
     """`prompt` computed in steps of `chunks` tokens (a step of one token is a decode row), with

@@ -60,27 +60,28 @@ class ModelRunner:
                 table = torch.tensor(request.block_table[:-(-end // bs)], dtype=torch.long, device=self.device)
                 seqs.append(PrefillSeq(row, row + chunk.num_new_tokens, end, table))
             last_row[id(chunk)] = len(token_ids) - 1
-        pos = torch.tensor(positions, dtype=torch.long)
-        meta = BatchMetadata(slot_block=torch.tensor(slot_block, dtype=torch.long, device=self.device),
-                             slot_offset=(pos % bs).to(self.device), prefills=seqs,
-                             num_prefill_tokens=sum(c.num_new_tokens for c in prefills))
+        # Built as tensors straight from lists: a decode step's torch operations run from cold caches
+        # (the weights just streamed through them), so each one avoided counts (FusedDecode).
+        meta = BatchMetadata(slot_block=self._tensor(slot_block), slot_offset=self._tensor([p % bs for p in positions]),
+                             prefills=seqs, num_prefill_tokens=sum(c.num_new_tokens for c in prefills))
         if decodes:
             self._decode_metadata(meta, decodes)
         layer_done = None if on_layer is None else (lambda layer: on_layer(layer, chunks))
-        hidden = self.model(torch.tensor(token_ids, device=self.device), pos.to(self.device), meta, self.kv_cache,
-                            layer_done)
+        hidden = self.model(self._tensor(token_ids), self._tensor(positions), meta, self.kv_cache, layer_done)
         rows = [last_row[id(c)] for c in chunks if c.samples]
-        return self.model.logits(hidden[rows])
+        if rows != list(range(hidden.shape[0])):        # (a decode-only step samples every row, in order)
+            hidden = hidden[rows]
+        return self.model.logits(hidden)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _decode_metadata(self, meta: BatchMetadata, decodes: list[ScheduledChunk]) -> None:
         context_lens = [c.request.num_computed_tokens + 1 for c in decodes]
         max_blocks = -(-max(context_lens) // self.block_size)
-        block_ids = []       # padded with block 0: its slots are masked out
+        block_ids = []       # padded with block 0: attention stops at each row's length
         for chunk in decodes:
             table = chunk.request.block_table[:max_blocks]
             block_ids += table + [0] * (max_blocks - len(table))
-        lens = torch.tensor(context_lens, dtype=torch.long)
-        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
-        meta.decode_block_ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        meta.decode_mask = mask.unsqueeze(1).to(self.device)
-        meta.decode_context_lens = lens.to(self.device)
+        meta.decode_block_ids = self._tensor(block_ids)
+        meta.decode_context_lens = self._tensor(context_lens)

@@ -4,13 +4,18 @@ from __future__ import annotations
 import torch
 
 from kvhandoff.engine.request import Request
+from kvhandoff.model import kernels
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """The argmax of each row of `logits` [N, vocab] (float32, CPU) by numpy's, which torch's argmax
-    gives too (the first index of the maximum; a NaN counts as the maximum) in a fraction of the
-    time: SmolLM2's 16 x 49,152 logits 48 against 855 us, one row 4 against 43 us (one thread, Zen 4,
-    2026-12-05; torch's is ~2% of a 16-sequence decode step)."""
+    """The argmax of each row of `logits` [N, vocab] (float32, CPU) as torch's argmax gives it (the
+    first index of the maximum; a NaN counts as the maximum), by the CPU kernels' (one C call) or else
+    numpy's. Torch's took 855 us for SmolLM2's 16 x 49,152 logits and 43 us for one row, numpy's 48
+    and 4 (one thread, Zen 4, 2026-12-05). But a decode step runs this from cold caches (the weights
+    just streamed through them), where every distinct torch or numpy operation costs tens of
+    microseconds: numpy's argmax of one row ~55 us there; the C call's code is warm from the step."""
+    if kernels.available() and logits.stride(-1) == 1:
+        return kernels.argmax_rows(logits)
     return logits.numpy().argmax(axis=-1).tolist()
 
 
@@ -20,23 +25,28 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """One token per row of `logits` [N, vocab] (float32, on CPU)."""
-        logits = logits.float().cpu()
-        for row, request in enumerate(requests):
-            self._mask_early_stop(logits[row], request)
-        if all(r.params.greedy for r in requests):
-            return greedy_tokens(logits)
-        return [self._sample_row(logits[row], request) for row, request in enumerate(requests)]
+        if logits.dtype != torch.float32 or not logits.is_cpu:
+            logits = logits.float().cpu()
+        early = [row for row, request in enumerate(requests)
+                 if len(request.output_token_ids) < request.params.min_tokens]
+        greedy = all(r.params.greedy for r in requests)
+        if greedy and not early:
+            return greedy_tokens(logits)        # (outside inference mode: entering it cold costs ~40 us)
+        with torch.inference_mode():
+            for row in early:
+                self._mask_early_stop(logits[row], requests[row])
+            if greedy:
+                return greedy_tokens(logits)
+            return [self._sample_row(logits[row], request) for row, request in enumerate(requests)]
 
     def _mask_early_stop(self, row: torch.Tensor, request: Request) -> None:
-        # Before min_tokens, stop tokens must not be produced at all (not merely ignored).
+        """Before min_tokens, stop tokens must not be produced at all (not merely ignored)."""
         params = request.params
-        if len(request.output_token_ids) < params.min_tokens:
-            banned = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
-            if banned:
-                row[banned] = float("-inf")
+        banned = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+        if banned:
+            row[banned] = float("-inf")
 
     def _sample_row(self, row: torch.Tensor, request: Request) -> int:
         params = request.params

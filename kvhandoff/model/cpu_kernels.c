@@ -47,6 +47,11 @@ static inline bf16 to_bf16(float f) {
   return (bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+static inline float from_bf16(bf16 b) {
+  union { uint32_t u; float f; } v = {(uint32_t)b << 16};
+  return v.f;
+}
+
 /* [sum(a[0]), ..., sum(a[7])] */
 static inline v8 reduce8(const v8* a) {
   __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
@@ -817,18 +822,18 @@ void rms_norm(float* x, const float* delta, long rows, long dim, long ldx, long 
 }
 
 /* Rotate-half RoPE on every q and k head of each row of qkv ([T][q heads | kv heads | kv heads] x D,
-   row stride ld) in place, with row t's angles in cos_rows/sin_rows [T][D/2]; then store each row's
-   K and V at (slot_block, slot_offset) of the pool. */
-static void rope_store(float* qkv, long T, long ld, long heads, long kv_heads, long D, const float* cos_rows,
-                       const float* sin_rows, char* k_base, char* v_base, long item,
+   row stride ld) in place, with row t's angles in row positions[t] of cos/sin [*][D/2] (row t where
+   positions is 0); then store each row's K and V at (slot_block, slot_offset) of the pool. */
+static void rope_store(float* qkv, long T, long ld, long heads, long kv_heads, long D, const float* cos,
+                       const float* sin, const int64_t* positions, char* k_base, char* v_base, long item,
                        long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset,
                        int threads) {
   long half = D / 2;
   #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_WORK_ROWS)
   for (long t = 0; t < T; t++) {
     float* row = qkv + t * ld;
-    const float* c = cos_rows + t * half;
-    const float* s = sin_rows + t * half;
+    const float* c = cos + (positions ? positions[t] : t) * half;
+    const float* s = sin + (positions ? positions[t] : t) * half;
     for (long h = 0; h < heads + kv_heads; h++) {
       float* x = row + h * D;
       for (long i = 0; i < half; i++) {
@@ -857,8 +862,56 @@ static void rope_store(float* qkv, long T, long ld, long heads, long kv_heads, l
 void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long D, const float* cos_rows,
                    const float* sin_rows, float* k_base, float* v_base,
                    long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset) {
-  rope_store(qkv, T, ld, heads, kv_heads, D, cos_rows, sin_rows, (char*)k_base, (char*)v_base, sizeof(float),
+  rope_store(qkv, T, ld, heads, kv_heads, D, cos_rows, sin_rows, 0, (char*)k_base, (char*)v_base, sizeof(float),
              block_stride, block_size, slot_block, slot_offset, 1);
+}
+
+/* The index of each row's maximum (x [rows][n], row stride ld) into out: the first, as numpy's and
+   torch's argmax give it, where a NaN counts as the maximum (the first NaN). Two passes over a row
+   that the head has just written (in L2): the maximum, then where it first occurs. */
+void argmax_rows(const float* x, long rows, long n, long ld, int64_t* out) {
+  for (long r = 0; r < rows; r++) {
+    const float* row = x + r * ld;
+    __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+      __m256 v = _mm256_loadu_ps(row + i);
+      best = _mm256_max_ps(best, v);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float top = -INFINITY, lanes[8];
+    int has_nan = _mm256_movemask_ps(nan) != 0;
+    _mm256_storeu_ps(lanes, best);
+    for (int j = 0; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+    for (long k = i; k < n; k++) { has_nan |= row[k] != row[k]; top = row[k] > top ? row[k] : top; }
+    long at = 0;
+    if (has_nan) {
+      while (row[at] == row[at]) at++;
+    } else {
+      __m256 t = _mm256_set1_ps(top);
+      for (at = 0; at + 8 <= n; at += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + at), t, _CMP_EQ_OQ));
+        if (hit) { at += __builtin_ctz(hit); break; }
+      }
+      if (at + 8 > n)
+        while (at < n && row[at] != top) at++;
+    }
+    out[r] = at;
+  }
+}
+
+/* Rows `ids` of an embedding table [V][H] (bf16, item 2, or fp32, item 4) in fp32: out [rows][H].
+   Returns 0, or 1 + the first row whose id lies outside [0, V) (nothing written). */
+long embed_rows(const char* table, long item, long V, long H, const int64_t* ids, long rows, float* out) {
+  for (long r = 0; r < rows; r++)
+    if (ids[r] < 0 || ids[r] >= V)
+      return 1 + r;
+  for (long r = 0; r < rows; r++) {
+    const char* row = table + ids[r] * H * item;
+    for (long i = 0; i < H; i++)
+      out[r * H + i] = item == 2 ? from_bf16(((const bf16*)row)[i]) : ((const float*)row)[i];
+  }
+  return 0;
 }
 
 /* ---- one decoder layer for a batch of decode rows (one new token per sequence), in one call ----
@@ -882,7 +935,8 @@ struct decode_layer_weights {
 
 struct decode_batch {
   long rows;
-  const float *cos_rows, *sin_rows;                 /* [rows][head_dim / 2] */
+  const float *cos, *sin; long table_rows;          /* RoPE's angles of positions [0, table_rows), [*][head_dim / 2] */
+  const int64_t *positions;                         /* each row's */
   const int64_t *slot_block, *slot_offset;          /* where each row's new K/V goes */
   const int64_t *block_tables; long max_blocks;     /* [rows][max_blocks] */
   const int64_t *lens;                              /* tokens each row attends to, its own included */
@@ -921,9 +975,13 @@ static long side_capacity(long M, long K, const struct packed* w, long run_bytes
 
 #define SIDE_MIN_ROWS 4
 
-/* Scratch: rows * (hidden + qkv.cols + heads * head_dim + o.cols + gate_up.cols + intermediate + down.cols) floats. */
-void decode_layer(const struct decode_layer_weights* L, const struct decode_batch* B, float* x, float* scratch) {
+/* Scratch: rows * (hidden + qkv.cols + heads * head_dim + o.cols + gate_up.cols + intermediate + down.cols)
+   floats. Returns 0, or 1 + the first row whose position lies outside RoPE's table (nothing done). */
+long decode_layer(const struct decode_layer_weights* L, const struct decode_batch* B, float* x, float* scratch) {
   long T = B->rows, H = L->hidden, D = L->head_dim, q_size = L->heads * D, I = L->intermediate;
+  for (long r = 0; r < T; r++)
+    if (B->positions[r] < 0 || B->positions[r] >= B->table_rows)
+      return 1 + r;
   int threads = B->num_threads;
   float *h = scratch, *qkv = h + T * H, *att = qkv + T * L->qkv.cols, *o = att + T * q_size;
   float *gu = o + T * L->o.cols, *act = gu + T * L->gate_up.cols, *down = act + T * I;
@@ -959,7 +1017,7 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
 
   rms_norm_rows(x, 0, T, H, H, 0, L->norm1, L->eps1, h, threads);
   linear(h, T, H, H, &L->qkv, qkv, threads, &own);
-  rope_store(qkv, T, L->qkv.cols, L->heads, L->kv_heads, D, B->cos_rows, B->sin_rows, L->k_base, L->v_base,
+  rope_store(qkv, T, L->qkv.cols, L->heads, L->kv_heads, D, B->cos, B->sin, B->positions, L->k_base, L->v_base,
              L->kv_item, L->block_stride, L->block_size, B->slot_block, B->slot_offset, threads);
   #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long r = 0; r < T; r++)
@@ -981,4 +1039,5 @@ void decode_layer(const struct decode_layer_weights* L, const struct decode_batc
   for (long r = 0; r < T; r++)
     for (long i = 0; i < H; i++) x[r * H + i] += down[r * L->down.cols + i];
   free(offsets);
+  return 0;
 }

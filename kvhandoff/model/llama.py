@@ -42,7 +42,6 @@ class BatchMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     num_prefill_tokens: int = 0
     decode_block_ids: torch.Tensor | None = None      # [B * max_blocks]: each sequence's blocks, padded
-    decode_mask: torch.Tensor | None = None           # [B, 1, max_blocks * block_size] bool, True = attend
     decode_context_lens: torch.Tensor | None = None   # [B] int64: tokens each decoding sequence attends to
 
 
@@ -242,7 +241,8 @@ class Attention(nn.Module):
         S = keys.shape[2]                                                            # padded context per sequence
         q = q.view(B, kv_heads, group, D).transpose(0, 1).reshape(kv_heads * B, group, D)
         scores = torch.bmm(q, keys.view(kv_heads * B, S, D).transpose(1, 2)).float() * self.scale
-        scores = scores.view(kv_heads, B, group, S).masked_fill_(~meta.decode_mask, float("-inf"))
+        beyond = torch.arange(S, device=q.device) >= meta.decode_context_lens.unsqueeze(1)   # [B, S]: padding
+        scores = scores.view(kv_heads, B, group, S).masked_fill_(beyond.unsqueeze(1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads * B, group, S)
         out = torch.bmm(probs, values.view(kv_heads * B, S, D)).view(kv_heads, B, group, D)
         return out.transpose(0, 1).reshape(B, self.num_heads, D)
@@ -415,37 +415,44 @@ class LlamaModel(nn.Module):
                                     layer.post_attention_layernorm.weight.detach(),
                                     layer.post_attention_layernorm.eps, layer.self_attn.qkv_proj,
                                     layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-             for layer in self.layers], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+             for layer in self.layers], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
+            (self.rotary.cos, self.rotary.sin), (self.norm.weight, self.norm.eps))
 
-    def _decode_rows(self, x: torch.Tensor, positions, meta: BatchMetadata, kv_cache, on_layer) -> torch.Tensor:
-        """The decode rows (one token per sequence, after the prefill rows) through FusedDecode, in fp32."""
+    def _decode_rows(self, input_ids: torch.Tensor, positions, meta: BatchMetadata, kv_cache, on_layer) -> torch.Tensor:
+        """The decode rows (one token per sequence, after the prefill rows) through FusedDecode and
+        the final norm, in fp32."""
         P = meta.num_prefill_tokens
-        rope = self.rotary.table(positions[P:], torch.float32)
-        return self.fused_decode(x[P:].float().contiguous(), rope, meta.slot_block[P:], meta.slot_offset[P:],
-                                 meta.decode_block_ids, meta.decode_context_lens, kv_cache, on_layer)
+        ids = input_ids[P:] if P else input_ids
+        if self.embed_tokens is None:
+            x = self.packed_head.rows(ids)
+        else:
+            x = kernels.embed_rows(self.embed_tokens.weight, ids)
+        return self.fused_decode(x, positions[P:] if P else positions, meta.slot_block[P:] if P else meta.slot_block,
+                                 meta.slot_offset[P:] if P else meta.slot_offset, meta.decode_block_ids,
+                                 meta.decode_context_lens, kv_cache, on_layer)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) if self.embed_tokens is not None else self.packed_head.rows(input_ids)
 
     def forward(self, input_ids, positions, meta: BatchMetadata, kv_cache, on_layer=None) -> torch.Tensor:
         """`on_layer(i)`, if given, runs once layer i's K/V for this batch are in the pool (layer-wise
-        handoff sends them while later layers compute)."""
-        x = self.embed(input_ids)
-        P = meta.num_prefill_tokens
+        handoff sends them while later layers compute). Returns the final norm's output (fp32 where
+        any row went through the kernels)."""
+        P, T = meta.num_prefill_tokens, input_ids.shape[0]
         if P and self.batch_invariant(kv_cache.shape[4]):
             # Prompt rows as decode rows: every token computed by one function (batch-invariant).
-            return self.norm(self._decode_rows(x, positions, _as_decode_rows(meta), kv_cache, on_layer))
-        if self.fused_decode is not None and x.shape[0] > P and \
+            return self._decode_rows(input_ids, positions, _as_decode_rows(meta), kv_cache, on_layer)
+        if self.fused_decode is not None and T > P and \
                 kernels.attention_supported(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, kv_cache.shape[4]):
             # Decode rows always through the kernels, apart from any prefill rows beside them: a
             # sequence's token is then computed the same way whatever shares its step (batch-invariant).
-            decode = self.norm(self._decode_rows(x, positions, meta, kv_cache, None if P else on_layer))
+            decode = self._decode_rows(input_ids, positions, meta, kv_cache, None if P else on_layer)
             if not P:
                 return decode
             prefill_meta = BatchMetadata(meta.slot_block[:P], meta.slot_offset[:P], meta.prefills, P)
-            prefill = self._layers(x[:P], positions[:P], prefill_meta, kv_cache, on_layer)
+            prefill = self._layers(self.embed(input_ids[:P]), positions[:P], prefill_meta, kv_cache, on_layer)
             return torch.cat([prefill.to(decode.dtype), decode])
-        return self._layers(x, positions, meta, kv_cache, on_layer)
+        return self._layers(self.embed(input_ids), positions, meta, kv_cache, on_layer)
 
     def _layers(self, x, positions, meta: BatchMetadata, kv_cache, on_layer) -> torch.Tensor:
         """Every row through the layers, op by op (torch, or the fp32 kernels' PackedLinear)."""
