@@ -86,11 +86,11 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-# Block size: 32 tokens. The KV pool is block-major (one block holds every layer's K and V for its
-# tokens, contiguous), so a block is one transfer descriptor. For SmolLM2 in bf16 a 32-token block is
-# 720 KiB whole and 24 KiB per layer: large enough that a handoff is a handful of descriptors (and
-# that layer-wise push sends >= 16 KiB pieces), small enough that the last, partly-filled block and
-# prefix-cache granularity waste little.
+# Block size: 32 tokens. The KV pool is layer-major (a layer's blocks side by side: llama.py), so a
+# block is a transfer descriptor per layer, and a layer's adjacent blocks coalesce into one. For SmolLM2
+# in bf16 a 32-token block is 720 KiB whole and 24 KiB per layer: large enough that a scattered block's
+# pieces are not tiny (layer-wise push sends >= 16 KiB pieces), small enough that the last,
+# partly-filled block and prefix-cache granularity waste little.
 DEFAULT_BLOCK_SIZE = 32
 
 

@@ -84,7 +84,7 @@ def test_fetched_prefix_gives_the_same_tokens():
     target.add_request("r", prompt, GREEDY, remote_tokens=128)
     target.step()
     blocks = target.connector.reservations["r"]
-    target.runner.kv_cache[blocks] = source.runner.kv_cache[out.retained.block_ids[:4]]
+    target.runner.kv_cache[:, blocks] = source.runner.kv_cache[:, out.retained.block_ids[:4]]
     assert target.kv_ready("r") is None                          # no first token: the rest is computed here
     assert target.requests["r"].num_computed_tokens == 128
     tokens, done = finish(target, "r")
@@ -193,7 +193,9 @@ def test_session_map_finds_the_longest_match_and_forgets_expired():
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
 ENGINE = ("--dtype", "float32", "--threads", "1", "--num-blocks", "512")
-NO_PREFILL_CACHE = ("--prefill-args=--no-prefix-caching",)
+# (and a prefill pool of another size than the decode workers': block ids travel with their pool's
+# size, kv_layout.py, both ways here)
+NO_PREFILL_CACHE = ("--prefill-args=--no-prefix-caching --num-blocks 448",)
 
 
 def words(n: int, seed: int) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvhandoff.config import EngineConfig
+from kvhandoff.engine.block_pool import BlockPool
 from kvhandoff.engine.engine import LLMEngine
 from kvhandoff.engine.holds import Hold, set_aside_owner
 from kvhandoff.engine.kv_connector import KVConnector, KVEvents, Lost
@@ -212,6 +213,21 @@ def test_greedy_tokens_are_torch_argmax_to_the_index():
             if kernels.available():
                 assert kernels.argmax_rows(logits) == expected, trial
 
+
+
+def test_the_block_pool_hands_out_blocks_freed_together_as_an_ascending_run():
+    """allocate takes the least recently freed blocks (LRU: cached prefixes live longest) and returns
+    them in ascending order: a finished sequence's blocks, released tail first, come back as one run
+    of adjacent blocks, which the layer-major pool lays side by side for decode attention."""
+    pool = BlockPool(num_blocks=12, block_size=4)
+    first, second = pool.allocate(5), pool.allocate(4)
+    assert first == [0, 1, 2, 3, 4] and second == [5, 6, 7, 8]
+    pool.free_blocks(first)
+    pool.free_blocks(second)
+    assert pool.allocate(3) == [9, 10, 11]          # never used: freed longest ago
+    assert pool.allocate(5) == [0, 1, 2, 3, 4]      # the first sequence's, whole
+    assert pool.allocate(2) == [7, 8]               # the second's, its tail first
+    assert pool.num_free == 2
 
 def test_top_k_one_is_greedy(engine, prompts, reference):
     params = SamplingParams(max_tokens=24, temperature=0.8, top_k=1, seed=3, ignore_eos=True)
@@ -416,7 +432,7 @@ def handoff(prefill, decode, handoff_id: str, prompt: list[int], params: Samplin
     assert len(done.new_token_ids) == 1            # the prefill samples the first token itself
     dest = reserve(decode, handoff_id, prompt, params, done.num_kv_tokens)
     assert len(dest) == len(done.kv_block_ids)
-    decode.runner.kv_cache[dest] = prefill.runner.kv_cache[done.kv_block_ids]
+    decode.runner.kv_cache[:, dest] = prefill.runner.kv_cache[:, done.kv_block_ids]
     assert prefill.release(handoff_id)
     first = decode.kv_ready(handoff_id, done.new_token_ids[0])
     assert first.new_token_ids == done.new_token_ids    # emitted at once, before any decode step
@@ -611,7 +627,7 @@ def test_arrived_kv_runs_although_the_waiting_head_does_not_fit(prompts, referen
     assert decode.requests["r7"].state is RequestState.WAITING
     tokens = {}
     for i, (done, dest) in landed.items():
-        decode.runner.kv_cache[dest] = prefill.runner.kv_cache[done.kv_block_ids]
+        decode.runner.kv_cache[:, dest] = prefill.runner.kv_cache[:, done.kv_block_ids]
         assert prefill.release(f"r{i}")
         tokens[f"r{i}"] = list(decode.kv_ready(f"r{i}", done.new_token_ids[0]).new_token_ids)
     for _ in range(200):
@@ -633,7 +649,7 @@ def test_a_prompt_chunk_that_preempts_a_decode_already_scheduled(prompts, refere
     prefill.add_request("r1", prompts[1], GREEDY, prefill_only=True)
     _, done = run_until_finished(prefill, "r1")
     dest = reserve(decode, "r1", prompts[1], GREEDY, done.num_kv_tokens)   # 40 tokens: 2 blocks
-    decode.runner.kv_cache[dest] = prefill.runner.kv_cache[done.kv_block_ids]
+    decode.runner.kv_cache[:, dest] = prefill.runner.kv_cache[:, done.kv_block_ids]
     tokens = {"r1": list(decode.kv_ready("r1", done.new_token_ids[0]).new_token_ids)}
     for _ in range(300):
         if not decode.has_work():

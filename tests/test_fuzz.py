@@ -119,7 +119,7 @@ control_bodies = st.one_of(values, st.fixed_dictionaries({}, optional={
     "handoff_id": st.one_of(st.text(max_size=12), values), "retention_id": st.one_of(st.text(max_size=12), values),
     "num_blocks": st.one_of(st.integers(-3, 10**12), values), "agent_metadata": values,
     "block_ids": st.one_of(st.lists(st.integers(-5, 10**9), max_size=5), values),
-    "num_kv_tokens": values, "prompt_hash": values, "ttl_ms": values, "skip_blocks": values,
+    "pool_blocks": st.one_of(st.integers(-3, 10**12), values), "num_kv_tokens": values, "prompt_hash": values, "ttl_ms": values, "skip_blocks": values,
     "binding": st.one_of(st.integers(-2, 3), values), "reason": values, "prefill_answered": values, "recompute": values, "endpoint": values, "request": values,
     "session": values, "block_hashes": st.one_of(st.lists(st.text(max_size=8), max_size=4), values)}))
 

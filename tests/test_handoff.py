@@ -40,8 +40,10 @@ def three_workers(args: list[str], logs: Path):
     started = []
     try:
         for role in ("prefill", "decode", "both"):
-            # max_num_batched_tokens 64: long prompts prefill in chunks, which layer-wise push sends early
-            extra = ["--max-num-batched-tokens", "64"] if role == "prefill" else []
+            # max_num_batched_tokens 64: long prompts prefill in chunks, which layer-wise push sends early.
+            # The decode worker's pool is larger: a block's place in a layer-major pool depends on the
+            # pool's size, which the messages carry with the block ids (kv_layout.py).
+            extra = {"prefill": ["--max-num-batched-tokens", "64"], "decode": ["--num-blocks", "320"]}.get(role, [])
             started.append(ServerProcess([*args, "--role", role, *extra], logs / f"{role}.log"))
         yield dict(zip(("prefill", "decode", "colocated"), started))
     finally:
@@ -156,7 +158,8 @@ def test_another_protocol_version_is_refused(workers):
             f"speaks {PROTOCOL_VERSION}" in r.json()["error"]["message"], r.text
     info = httpx.get(f"{workers['decode'].url}/kv/info", headers=HEADERS, timeout=10).json()
     registration = {"handoff_id": "v1-reg", "mode": "push", "decode_worker": "d", "agent_metadata": info["agent_metadata"],
-                    "block_ids": [0], "num_kv_tokens": 1, "prompt_hash": "x", "ttl_ms": 1000, "protocol_version": 1}
+                    "block_ids": [0], "pool_blocks": 8, "num_kv_tokens": 1, "prompt_hash": "x", "ttl_ms": 1000,
+                    "protocol_version": 1}
     r = httpx.post(f"{workers['prefill'].url}/kv/register", headers=HEADERS, json=registration, timeout=10)
     assert r.status_code == 400 and "version 1" in r.json()["error"]["message"], r.text
     assert info["protocol_version"] == PROTOCOL_VERSION
@@ -313,7 +316,8 @@ def test_cancel_that_overtakes_the_request_is_honoured(workers, mode):
             r = httpx.post(f"{server.url}/v1/completions", headers=HEADERS, timeout=30,
                            json={**body(PROMPTS[2]), "kv_transfer_params": kv})
             assert r.status_code == 400 and "prompt_token_ids" in r.json()["error"]["message"], r.text
-            kv["remote"] |= {"prompt_token_ids": [1, 2], "num_kv_tokens": 2, "block_ids": [0], "checksums": [0]}
+            kv["remote"] |= {"prompt_token_ids": [1, 2], "num_kv_tokens": 2, "block_ids": [0], "pool_blocks": 8,
+                             "checksums": [0]}
         r = httpx.post(f"{server.url}/v1/completions", headers=HEADERS, timeout=30,
                        json={**body(PROMPTS[2]), "kv_transfer_params": kv})
         assert r.status_code == 409 and "cancelled" in r.json()["error"]["message"], r.text

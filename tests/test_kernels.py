@@ -72,14 +72,17 @@ def test_paged_attention_equals_dense(heads, kv_heads, head_dim, block_size, dty
     assert kernels.attention_supported(heads, kv_heads, head_dim, block_size)
     g = torch.Generator().manual_seed(heads * 100 + block_size)
     layers, layer, num_blocks, seqs, max_blocks = 3, 1, 64, 5, 9
-    # The block-major pool of the runner: a block's stride spans every layer's K and V; the kernel
+    # The layer-major pool of the runner: a block's stride spans its K and V of the layer; the kernel
     # reads it as stored (paired in bf16), dense attention token-major.
-    pool = torch.randn(num_blocks, layers, 2, kv_heads, block_size, head_dim, generator=g).to(dtype)
+    pool = torch.randn(layers, num_blocks, 2, kv_heads, block_size, head_dim, generator=g).to(dtype)
     stored = pool.clone()
     stored[:, :, 0], stored[:, :, 1] = paired_kv.as_stored(pool[:, :, 0], True), paired_kv.as_stored(pool[:, :, 1], False)
-    k_cache, v_cache = pool[:, layer, 0], pool[:, layer, 1]
-    k_stored, v_stored = stored[:, layer, 0], stored[:, layer, 1]
+    k_cache, v_cache = pool[layer, :, 0], pool[layer, :, 1]
+    k_stored, v_stored = stored[layer, :, 0], stored[layer, :, 1]
+    # Blocks scattered, and (the last two sequences) in runs of adjacent blocks, which the bf16 kernel
+    # reads as one stream.
     tables = torch.randperm(num_blocks, generator=g)[:seqs * max_blocks].view(seqs, max_blocks).contiguous()
+    tables[3:] = torch.arange(2 * max_blocks).view(2, max_blocks) + num_blocks - 2 * max_blocks
     # Lengths from one token to every block full, partial last blocks among them; rows may share a sequence.
     row_len = torch.tensor([1, block_size, block_size + 1, max_blocks * block_size, 3 * block_size - 2, 7])
     row_seq = torch.tensor([0, 1, 2, 3, 4, 3])

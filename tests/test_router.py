@@ -127,7 +127,8 @@ class FakeWorker:
                     return {"handoff": {"handoff_id": hid, "prefill_worker": "fake-prefill", "num_kv_tokens": 2,
                                         "blocks": 1, "phases_ms": phases}}
                 return {"handoff": {"handoff_id": hid, "prefill_worker": "fake-prefill", "prompt_token_ids": [1, 2, 3],
-                                    "num_kv_tokens": 2, "block_ids": [0], "checksums": [7], "agent_metadata": "",
+                                    "num_kv_tokens": 2, "block_ids": [0], "pool_blocks": 1, "checksums": [7],
+                                    "agent_metadata": "",
                                     "lease_ms": 5000, "phases_ms": phases}}
             handoff = {"handoff_id": hid, "mode": kv.get("mode"), "decode_worker": "fake-decode",       # DecodeReport
                        "bytes_transferred": 4096, "blocks": 1, "decode_cached_tokens": 0, "kv_source": "remote",

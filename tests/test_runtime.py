@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
@@ -23,6 +24,7 @@ from kvhandoff.worker.connector import Connector
 from kvhandoff.worker.handoff import HTTPControl
 from kvhandoff.worker.layerwise import MIN_WRITE_BYTES, LayerwisePrefill
 from kvhandoff.worker.push import PushJob
+from kvhandoff.worker.kv_layout import KVLayout, block_checksums
 from kvhandoff.worker.runtime import Counters, Incoming
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -109,11 +111,11 @@ def test_the_engine_thread_never_waits_on_the_network(worker):
 
         prompt = list(range(10, 110))
         remote = M.PullHandoff(prompt_token_ids=prompt, num_kv_tokens=len(prompt), block_ids=[0, 1, 2, 3],
-                               checksums=[0, 0, 0, 0], agent_metadata="", first_token_id=5)
+                               pool_blocks=8, checksums=[0, 0, 0, 0], agent_metadata="", first_token_id=5)
         kv = M.PullDecodeParams(handoff_id="stalled", mode=Mode.PULL, role="decode",
                                 protocol_version=M.PROTOCOL_VERSION, remote=remote)
         incoming = Incoming("stalled", len(prompt), peer="ghost", mode=Mode.PULL, remote_blocks=[0, 1, 2, 3],
-                            checksums=[0, 0, 0, 0], first_token=5)
+                            remote_layout=connector.rt.layout.peer(8), checksums=[0, 0, 0, 0], first_token=5)
         outputs: dict[str, list] = {"stalled": [], "bystander": []}
         done = {name: threading.Event() for name in outputs}
 
@@ -252,3 +254,31 @@ def test_layerwise_writes_carry_at_least_a_mebibyte():
     assert all(blocks * 32 * 768 * count >= MIN_WRITE_BYTES for _, blocks, _, count in writes)
     # 256 tokens: 192 KiB a layer, 6 layers a WRITE
     assert [count for *_, count in layerwise_writes(*smollm2_bf16, prompt_tokens=256, chunk_tokens=512)] == [6] * 5
+
+
+def test_kv_layout_places_each_layer_of_a_block_by_its_pools_size():
+    """The pool is layer-major: block_descs names, layer by layer, the range of each (layer, block),
+    in a pool of any size (a peer's, KVLayout.peer, gives what that pool's own layout gives); a
+    layer's adjacent blocks are adjacent ranges; ids outside the pool are found; a block's checksum
+    covers every layer of it and nothing else."""
+    layers, shape = 3, (2, 1, 2, 2)                     # K/V, kv_heads, block_size, head_dim
+    pools = {n: torch.arange(layers * n * 8, dtype=torch.float32).view(layers, n, *shape) for n in (5, 9)}
+    small = KVLayout.of(pools[5])
+    assert small == KVLayout(5, layers * 8 * 4, layers) and small.layer_bytes == 32
+    for n, pool in pools.items():
+        layout = small.peer(n)
+        assert layout == KVLayout.of(pool)
+        ids, raw = [3, 1, 2], pool.view(-1).view(torch.uint8)
+        descs = layout.block_descs(ids)
+        assert len(descs) == layers * len(ids) and descs.names == ("kv",)
+        for i, (offset, length) in enumerate(zip(descs.offset.tolist(), descs.length.tolist())):
+            layer, block = divmod(i, len(ids))
+            assert torch.equal(raw[offset:offset + length], pool[layer, ids[block]].reshape(-1).view(torch.uint8))
+        two = layout.layer_descs([1, 2], 1, 2)            # layers 1 and 2 of blocks 1, 2
+        assert two.offset.tolist() == [(n + 1) * 32, (n + 2) * 32, (2 * n + 1) * 32, (2 * n + 2) * 32]
+        assert layout.out_of_range([0, n - 1]) is None and layout.out_of_range([0, n, -1]) == n
+        assert layout.block_descs([]) == []
+    sums = block_checksums(pools[5], [0, 1, 2])
+    pools[5][2, 1, 1, 0, 1, 1] += 1                        # the last layer of block 1
+    after = block_checksums(pools[5], [0, 1, 2])
+    assert after[0] == sums[0] and after[2] == sums[2] and after[1] != sums[1]

@@ -59,7 +59,7 @@ async def prefill(request: web.Request, kv: dict, chat: bool, rid: str) -> web.S
     await resp.write(b'{"first_token":' + M.encode(first) + b"}\n")
     answer = {"handoff_id": rid, "prefill_worker": "instant", "num_kv_tokens": 1, "blocks": 1, "phases_ms": PHASES}
     if kv.get("mode", "").startswith("pull"):
-        answer |= {"prompt_token_ids": [1], "block_ids": [0], "checksums": [0], "agent_metadata": "",
+        answer |= {"prompt_token_ids": [1], "block_ids": [0], "pool_blocks": 1, "checksums": [0], "agent_metadata": "",
                    "first_token_id": 0}
     await resp.write(msgspec.json.encode({"handoff": answer}) + b"\n")
     await resp.write_eof()

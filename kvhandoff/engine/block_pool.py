@@ -66,6 +66,10 @@ class BlockPool:
                 block.hash = None
             block.ref_count = 1
             ids.append(block_id)
+        # The same blocks (the least recently freed), in ascending order: blocks freed together (a
+        # finished sequence's, released tail first) come back as runs of adjacent blocks, which a
+        # layer-major pool lays side by side for decode attention to read as one stream.
+        ids.sort()
         return ids
 
     def free_blocks(self, block_ids: list[int]) -> None:

@@ -27,8 +27,9 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         cfg = self.cfg
         paired_kv.check_block_size(self.dtype, block_size)
-        # Block-major: a block's K and V for all layers are one contiguous range (one transfer descriptor).
-        shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
+        # Layer-major (kvhandoff.model.llama): one layer's blocks side by side, so that a sequence's
+        # adjacent blocks are one stream for its attention to read.
+        shape = (cfg.num_layers, num_blocks, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
         if kv_memory is None and self.device.type == "cpu":
             # On huge pages where the kernel gives them: a decode step reads every sequence's blocks
             # (16 sequences at 1,024 tokens of SmolLM2: 4-8% faster a step). Touched now, as

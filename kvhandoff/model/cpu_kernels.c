@@ -655,7 +655,12 @@ static const pk_scores_t PK_SCORES_FN[MAX_GROUP + 1][3] = PK_TABLE(pk_scores);
 static const pk_values_t PK_VALUES_FN[MAX_GROUP + 1][3] = PK_TABLE(pk_values);
 
 /* Query heads of kv heads [h0, h1) of one row over its `len` tokens of paired bf16 K/V: per block, the
-   scores of every head the task owns (its K heads are one contiguous run), then their values. */
+   scores of every head the task owns (its K heads are one contiguous run), then their values.
+   A task that reads every head of a block reads the block's whole range of the layer (K then V):
+   where the next block is the adjacent one in the layer-major pool, the row's blocks are one stream,
+   which the hardware prefetcher follows better than the software prefetch does a scattered next
+   block (SmolLM2's paged attention alone, 16 rows at 1,024 tokens, one thread: adjacent blocks
+   without software prefetch 0.74x the time of scattered blocks with it, 2026-12-05). */
 static void attend_heads_paired(long group, long D, const float* q, float* out, long h0, long h1, const char* k_base,
                                 const char* v_base, long block_stride, long block_size, const int64_t* table, long len) {
   long d = D == 32 ? 0 : D == 64 ? 1 : 2;
@@ -665,6 +670,7 @@ static void attend_heads_paired(long group, long D, const float* q, float* out, 
   bf16 probs[HEADS_PER_PASS][MAX_GROUP * (MAX_BLOCK + 32)] __attribute__((aligned(64)));
   int32_t qp[HEADS_PER_PASS][MAX_GROUP * 64] __attribute__((aligned(64)));    /* q as bf16 pairs */
   long item = sizeof(bf16), head_run = block_size * D, lines = head_run * item / 64;
+  int whole = h0 == 0 && h1 * head_run * item == v_base - k_base && h1 <= HEADS_PER_PASS;
   for (; h0 < h1; h0 += HEADS_PER_PASS) {
     long hn = h1 - h0 < HEADS_PER_PASS ? h1 - h0 : HEADS_PER_PASS;
     start_heads(st, hn, group, D);
@@ -675,6 +681,8 @@ static void attend_heads_paired(long group, long D, const float* q, float* out, 
     for (long start = 0, blk = 0; start < len; start += block_size, blk++) {
       long n = len - start < block_size ? len - start : block_size, base = table[blk] * block_stride;
       long next = start + block_size < len ? table[blk + 1] * block_stride : -1;
+      if (whole && next >= 0 && next - base == block_stride && block_stride * item == 2 * (v_base - k_base))
+        next = -1;                /* adjacent: the hardware streams it */
       for (long h = 0; h < hn; h++) {
         long head = base + (h0 + h) * head_run, ahead = next + (h0 + h) * head_run;
         scores(qp[h], &st[h], (const bf16*)(k_base + head * item), n, block_size, probs[h],
@@ -764,6 +772,8 @@ static void attention(const float* q, long ldq, float* out, long ldo, long rows,
   attend_t attend = ATTENDS[group][D == 32 ? 0 : D == 64 ? 1 : 2];
   long splits = (2L * num_threads + rows - 1) / rows;       /* tasks per row: ~2 per thread in all */
   splits = splits < 1 ? 1 : splits > kv_heads ? kv_heads : splits;
+  if (num_threads == 1)
+    splits = 1;               /* (a row's heads apart would read its blocks' ranges in parts) */
   #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (long task = 0; task < rows * splits; task++) {
     long r = task / splits, part = task % splits;

@@ -283,8 +283,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     paired layout of paired_kv), read in place; fp32 out. (The bf16 pool is read this way only inside
     FusedDecode; this entry serves tests.)
 
-    k_cache, v_cache: one layer's views [num_blocks, kv_heads, block_size, D] of the block-major pool
-    (a block's stride spans all layers); block_tables: int64 [seqs, max_blocks]; row r attends to the
+    k_cache, v_cache: one layer's views [num_blocks, kv_heads, block_size, D] of the layer-major pool
+    (a block's stride spans its K and V); block_tables: int64 [seqs, max_blocks]; row r attends to the
     first row_len[r] tokens of sequence row_seq[r] (of sequence r when row_seq is None)."""
     lib = _load()[0]
     rows, heads, D = q.shape
@@ -380,7 +380,7 @@ class FusedDecode:
         self._pool = None               # the pool the structs point into (data_ptr, shape)
 
     def _weights_for(self, kv_cache: torch.Tensor) -> list[_LayerWeights]:
-        """The layers' C structs, pointing into `kv_cache` ([blocks, layers, 2, kv_heads, block, D])."""
+        """The layers' C structs, pointing into `kv_cache` ([layers, blocks, 2, kv_heads, block, D])."""
         pool = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
         if pool == self._pool:
             return self._structs
@@ -403,12 +403,12 @@ class FusedDecode:
 
         structs, self.biases = [], []
         for index, w in enumerate(self.layers):
-            k_base = kv_cache.data_ptr() + index * kv_cache.stride(1) * item
-            next_k_base = k_base + kv_cache.stride(1) * item if index + 1 < len(self.layers) else None
+            k_base = kv_cache.data_ptr() + index * kv_cache.stride(0) * item
+            next_k_base = k_base + kv_cache.stride(0) * item if index + 1 < len(self.layers) else None
             structs.append(_LayerWeights(
                 w.norm1.data_ptr(), w.norm2.data_ptr(), w.eps1, w.eps2, packed(w.qkv), packed(w.o),
                 packed(w.gate_up), packed(w.down), self.hidden, self.heads, self.kv_heads, self.head_dim,
-                self.intermediate, k_base, k_base + kv_cache.stride(2) * item, item, kv_cache.stride(0), block_size,
+                self.intermediate, k_base, k_base + kv_cache.stride(2) * item, item, kv_cache.stride(1), block_size,
                 next_k_base, index))
         self._structs, self._pool = structs, pool
         return structs

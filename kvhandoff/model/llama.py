@@ -1,8 +1,10 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a paged KV pool.
 
-The KV pool is one tensor, block-major: [num_blocks, num_layers, 2 (K, V), kv_heads, block_size,
-head_dim]. One block therefore holds every layer's K and V for its tokens in one contiguous range,
-which is what the transfer layer moves; inside it, one head's K (or V) for the block's tokens is a
+The KV pool is one tensor, layer-major: [num_layers, num_blocks, 2 (K, V), kv_heads, block_size,
+head_dim]. One layer of one block (its K, then its V) is a contiguous range, and a layer's adjacent
+blocks are adjacent ranges, so the blocks of a sequence that were handed out together are one
+stream for its attention to read (kernels.FusedDecode; the transfer layer moves a block as a range
+per layer, worker/kv_layout.py); inside a range, one head's K (or V) for the block's tokens is a
 contiguous range of block_size x head_dim (token-major, or in bf16 paired as paired_kv says):
 kernels.paged_attention reads it in place, and torch's path (Attention._decode, the reference)
 gathers a sequence's K of one head into a contiguous matrix with one index_select (and, in bf16,
@@ -125,7 +127,7 @@ class Attention(nn.Module):
     def forward(self, x, rope, meta: BatchMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]     # [blocks, kv_heads, bs, D]
+        k_cache, v_cache = kv_cache[self.layer, :, 0], kv_cache[self.layer, :, 1]     # [blocks, kv_heads, bs, D]
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.paged_kernel and self.q_norm is None:
             # One call rotates q and k in place and stores K and V in the pool.
@@ -532,7 +534,7 @@ def prompt_logits(model: LlamaModel, token_ids: list[int], block_size: int = 32)
     cfg, param = model.cfg, next(model.parameters())
     T = len(token_ids)
     num_blocks = (T + block_size - 1) // block_size
-    kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim,
+    kv_cache = torch.zeros(cfg.num_layers, num_blocks, 2, cfg.num_kv_heads, block_size, cfg.head_dim,
                            dtype=param.dtype, device=param.device)
     slots = torch.arange(T, device=param.device)
     meta = BatchMetadata(slot_block=slots // block_size, slot_offset=slots % block_size,

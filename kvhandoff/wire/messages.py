@@ -25,8 +25,9 @@ from kvhandoff.wire.modes import Mode, Role
 # 24): a prefill answers a stream (FirstToken, then its handoff object), decode streams carry
 # EventNotes, and a decode worker can serve a request colocated or resume one (ColocatedParams).
 # 6: a bf16 block keeps each head's K and V in the paired layouts (model/paired_kv.py, issue 25):
-# same bytes, other meaning again.
-PROTOCOL_VERSION = 6
+# same bytes, other meaning again. 7: the pool is layer-major (a block is a range per layer, placed by
+# the pool's size), so the messages that name a worker's blocks carry its pool's size (pool_blocks).
+PROTOCOL_VERSION = 7
 PROTOCOL = f"kvhandoff-handoff/{PROTOCOL_VERSION}"     # the transfer agents' handshake compares it
 # Per-request phases every handoff object reports, in ms (docs/HANDOFF.md): the one definition.
 PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
@@ -81,6 +82,7 @@ class PullHandoff(Message):
     prompt_token_ids: list[int]
     num_kv_tokens: int                  # the whole prompt
     block_ids: list[int]
+    pool_blocks: int                    # how many blocks the prefill's pool holds (where its ids lie: kv_layout.py)
     checksums: list[int]                # CRC-32 per block
     agent_metadata: str                 # base64 of the prefill agent's metadata
     first_token_id: int | None = None   # sampled by the prefill (checked by the decode side: 400 if missing)
@@ -179,6 +181,7 @@ class Registration(Message):
     decode_worker: str
     agent_metadata: str
     block_ids: list[int]                # every block of the prompt's KV on the decode side
+    pool_blocks: int                    # how many blocks the decode worker's pool holds (kv_layout.py)
     num_kv_tokens: int
     prompt_hash: str
     ttl_ms: float                       # the timing rule (push.py): WRITEs start within one ttl of decode's last word
@@ -232,6 +235,7 @@ class ReadLease(Message):
     """The decode worker's answer to a LeaseRequest: where the blocks are, and their checksums."""
     lease_id: str
     block_ids: list[int]
+    pool_blocks: int                    # how many blocks the decode worker's pool holds (kv_layout.py)
     checksums: list[int]
     agent_metadata: str
     num_tokens: int

@@ -1,15 +1,22 @@
 """Where a KV block's bytes sit in a worker's registered region, and the checksums that prove a
 copy of them arrived whole.
 
-The engine's pool is block-major ([blocks, layers, K/V, kv_heads, block_size, head_dim]), so a block
-is one contiguous range and one layer of one block is a contiguous sub-range. Descriptor lists are
-built per block (or per block and layer); the transfer layer coalesces runs of adjacent blocks.
+The engine's pool is layer-major ([layers, blocks, K/V, kv_heads, block_size, head_dim]: see
+kvhandoff.model.llama), so one layer of one block is a contiguous range, and a layer's adjacent
+blocks are adjacent ranges. A block is therefore one range per layer, at offsets that depend on how
+many blocks the pool holds: a peer's block ids are placed by its own pool's size (`pool_blocks` in
+the messages that name them, KVLayout.peer). Descriptor lists are built layer by layer, so the
+transfer layer coalesces a layer's runs of adjacent blocks (on both sides) into one range.
 """
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvhandoff.transfer.descriptors import DescList
 
 if TYPE_CHECKING:       # the router imports the handoff modules for their router legs: no torch there
     import torch
@@ -20,7 +27,7 @@ REGION = "kv"
 @dataclass(frozen=True)
 class KVLayout:
     num_blocks: int
-    block_bytes: int
+    block_bytes: int            # every layer's K and V of one block
     num_layers: int
 
     @property
@@ -29,27 +36,43 @@ class KVLayout:
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> "KVLayout":
-        num_blocks, num_layers = kv_cache.shape[:2]
-        return cls(num_blocks, kv_cache[0].numel() * kv_cache.element_size(), num_layers)
+        num_layers, num_blocks = kv_cache.shape[:2]
+        return cls(num_blocks, kv_cache[:, 0].numel() * kv_cache.element_size(), num_layers)
 
-    def block_descs(self, block_ids: list[int]) -> list[tuple[str, int, int]]:
-        self._check(block_ids)
-        return [(REGION, b * self.block_bytes, self.block_bytes) for b in block_ids]
+    def peer(self, num_blocks: int) -> "KVLayout":
+        """The layout of a peer's pool of `num_blocks` blocks (the same model, dtype and block size)."""
+        return replace(self, num_blocks=num_blocks)
 
-    def layer_descs(self, block_ids: list[int], first_layer: int, num_layers: int = 1) -> list[tuple[str, int, int]]:
-        """Layers [first_layer, first_layer + num_layers) of each block: one contiguous range per block."""
-        self._check(block_ids)
+    def out_of_range(self, block_ids: list[int]) -> int | None:
+        """The first of `block_ids` outside this pool, if any (a peer's ids are checked on arrival)."""
+        return next((b for b in block_ids if not 0 <= b < self.num_blocks), None)
+
+    def block_descs(self, block_ids: list[int]) -> DescList | list:
+        """Every layer of each block: a range per (layer, block), layer by layer."""
+        return self.layer_descs(block_ids, 0, self.num_layers)
+
+    def layer_descs(self, block_ids: list[int], first_layer: int, num_layers: int = 1) -> DescList | list:
+        """Layers [first_layer, first_layer + num_layers) of each block, layer by layer (no blocks: [])."""
+        assert self.out_of_range(block_ids) is None, f"block id out of range: {block_ids}"
         assert 0 <= first_layer and num_layers > 0 and first_layer + num_layers <= self.num_layers
-        return [(REGION, b * self.block_bytes + first_layer * self.layer_bytes, num_layers * self.layer_bytes)
-                for b in block_ids]
-
-    def _check(self, block_ids: list[int]) -> None:
-        assert all(0 <= b < self.num_blocks for b in block_ids), f"block id out of range: {block_ids}"
+        if not block_ids:
+            return []
+        layers = np.arange(first_layer, first_layer + num_layers, dtype=np.int64)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        offsets = ((layers[:, None] * self.num_blocks + ids[None, :]) * self.layer_bytes).ravel()
+        return DescList((REGION,), np.zeros(offsets.size, np.int64), offsets,
+                        np.full(offsets.size, self.layer_bytes, np.int64))
 
 
 def block_checksums(kv_cache: torch.Tensor, block_ids: list[int]) -> list[int]:
-    """CRC-32 of each block's bytes (every layer, K and V, including unused slots of a partial block:
-    those travel too, so both sides agree on them). ~1.7 GB/s here, a few ms per handoff."""
+    """CRC-32 of each block's bytes, layer by layer (every layer, K and V, including unused slots of a
+    partial block: those travel too, so both sides agree on them). ~1.7 GB/s here, a few ms per handoff."""
     import torch        # loaded already wherever there is a pool (see the TYPE_CHECKING import)
-    flat = kv_cache.view(kv_cache.shape[0], -1)
-    return [zlib.crc32(flat[b].view(torch.uint8).cpu().numpy()) for b in block_ids]
+    flat = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
+    sums = []
+    for b in block_ids:
+        crc = 0
+        for layer in range(flat.shape[0]):
+            crc = zlib.crc32(flat[layer, b].view(torch.uint8).cpu().numpy(), crc)
+        sums.append(crc)
+    return sums

@@ -2,9 +2,9 @@
 layers and later chunks are still being computed, so that on a slow link the transfer hides behind
 the prefill instead of following it. Everything else (registration, Done, failures) is push.py's.
 
-After each group of layers of each prefill chunk (LAYER_WRITES_PER_CHUNK groups a chunk: a group
-of a block's layers is one contiguous range, so a group costs no more descriptors than one layer,
-and the per-write overhead, paid on the prefill's own core, is not paid per layer; fewer groups where
+After each group of layers of each prefill chunk (LAYER_WRITES_PER_CHUNK groups a chunk: the
+per-write overhead, paid on the prefill's own core, is then not paid per layer; a layer's adjacent
+blocks are one range on each side, kv_layout.py; fewer groups where
 a group's bytes would be under MIN_WRITE_BYTES) the engine calls on_layer, and the writer thread
 WRITEs those layers of the chunk's blocks. Each (block, layer) range is written exactly once, when
 it is final, so writes never overlap and their order does not matter:
@@ -102,9 +102,9 @@ class LayerwisePrefill(PushPrefill):
         """Writer thread: post (never wait here: the final WRITE waits for them all)."""
         if job.failed is not None:
             return
-        layout = self.rt.layout
+        layout, remote_layout = self.rt.layout, self.rt.layout.peer(job.registration.pool_blocks)
         job.pending.append(self.rt.agent.write(job.peer, layout.layer_descs(local, first_layer, num_layers),
-                                               layout.layer_descs(remote, first_layer, num_layers)))
+                                               remote_layout.layer_descs(remote, first_layer, num_layers)))
         self.rt.cfg.faults.reached("transfer", job.handoff_id)
 
     # ---- push.py's hooks ---------------------------------------------------------------------------

@@ -62,7 +62,8 @@ class PullPrefill(FetchingPrefill):
         return M.PullHandoff(
             handoff_id=kv.handoff_id, prefill_worker=self.rt.worker_name, prompt_token_ids=prompt_ids,
             num_kv_tokens=out.num_kv_tokens, first_token_id=out.new_token_ids[0], block_ids=out.kv_block_ids,
-            checksums=checksums, lease_ms=ms(self.rt.cfg.lease_s), agent_metadata=self.rt.metadata_b64(),
+            pool_blocks=self.rt.layout.num_blocks, checksums=checksums, lease_ms=ms(self.rt.cfg.lease_s),
+            agent_metadata=self.rt.metadata_b64(),
             phases_ms={"prefill_queue": out.timings["queue_ms"], "prefill_compute": out.timings["prefill_ms"]},
             **reuse_report).to_dict()
 
@@ -133,9 +134,11 @@ class PullDecode(DecodeSide):
             raise HandoffError("the handoff object lacks a valid first_token_id", 400)
         if len(remote.checksums) != len(remote.block_ids):
             raise HandoffError("the handoff object has a checksum per block, or it is malformed", 400)
+        remote_layout = self.rt.peer_layout(remote.pool_blocks, remote.block_ids, "the handoff object")
         peer = await self.rt.peer(remote.agent_metadata)
         incoming = Incoming(kv.handoff_id, len(prompt_ids), peer=peer, mode=kv.mode, remote_blocks=list(remote.block_ids),
-                            checksums=list(remote.checksums), first_token=remote.first_token_id)
+                            remote_layout=remote_layout, checksums=list(remote.checksums),
+                            first_token=remote.first_token_id)
         self.submit(kv, incoming, prompt_ids, params, on_output)
 
     def reserved(self, incoming: Incoming, request, num_local_tokens: int) -> None:
@@ -162,9 +165,8 @@ class PullDecode(DecodeSide):
             self.rt.reader.put(lambda i=incoming, h=handle: self._read(i, h), self.rt.cfg.faults.due())
 
     def _post_read(self, incoming: Incoming):
-        layout = self.rt.layout
-        return self.rt.agent.read(incoming.peer, layout.block_descs(incoming.transferred_blocks),
-                                  layout.block_descs(incoming.remote_blocks))
+        return self.rt.agent.read(incoming.peer, self.rt.layout.block_descs(incoming.transferred_blocks),
+                                  incoming.remote_layout.block_descs(incoming.remote_blocks))
 
     def _read(self, incoming: Incoming, handle) -> None:
         """Reader thread: wait for the READ (posting it first for pull-reader), verify, release."""

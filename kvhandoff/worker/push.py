@@ -184,6 +184,7 @@ class PushPrefill(FetchingPrefill):
         if not 0 <= registration.skip_blocks < len(registration.block_ids):
             raise HandoffError(f"skip_blocks must be a block index below the registered blocks, not "
                                f"{registration.skip_blocks!r}", 400)
+        self.rt.peer_layout(registration.pool_blocks, registration.block_ids, "the registration")
         with job.lock:
             moved = registration.binding != job.binding
             if not moved and job.registration is not None:
@@ -246,10 +247,9 @@ class PushPrefill(FetchingPrefill):
             if "done" in faults.drop:
                 log.warning("fault injection: done notification for %s dropped", handoff_id)
                 done = b""
-            layout = self.rt.layout
             if local:
-                handle = self.rt.agent.write(job.peer, layout.block_descs(local), layout.block_descs(remote),
-                                             notify=done)
+                handle = self.rt.agent.write(job.peer, self.rt.layout.block_descs(local),
+                                             self.rt.layout.peer(reg.pool_blocks).block_descs(remote), notify=done)
                 faults.reached("transfer", handoff_id)
                 job.bytes_sent += handle.wait(self.rt.cfg.kv_timeout_s).nbytes
             elif done:
@@ -457,7 +457,8 @@ class PushDecode(DecodeSide):
         incoming.deadline, incoming.settle_at = now + ttl, now + 2 * ttl
         registration = M.Registration(
             handoff_id=incoming.handoff_id, mode=incoming.mode, decode_worker=self.rt.worker_name,
-            agent_metadata=self.rt.metadata_b64(), block_ids=incoming.block_ids, num_kv_tokens=incoming.num_kv_tokens,
+            agent_metadata=self.rt.metadata_b64(), block_ids=incoming.block_ids, pool_blocks=self.rt.layout.num_blocks,
+            num_kv_tokens=incoming.num_kv_tokens,
             skip_blocks=incoming.skip_blocks, prompt_hash=incoming.extra["prompt_hash"], ttl_ms=ms(ttl),
             protocol_version=M.PROTOCOL_VERSION, binding=incoming.extra["binding"])
         self._to_register.append((incoming, incoming.extra["prefill_url"], registration))

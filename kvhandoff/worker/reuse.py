@@ -217,7 +217,7 @@ def lease_retained(rt: Runtime, retention: Retention | None, request: M.LeaseReq
         return None
     # Safe off the engine thread: a leased entry's blocks are neither freed nor written.
     return M.ReadLease(checksums=rt.checksums(lease["block_ids"]), agent_metadata=rt.metadata_b64(),
-                       **lease).to_dict()
+                       pool_blocks=rt.layout.num_blocks, **lease).to_dict()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -247,13 +247,14 @@ class ReusePrefill(Side):
         started = time.monotonic()
         try:
             lease = await self._lease(candidate, blocks)
+            remote_layout = rt.peer_layout(lease.pool_blocks, lease.block_ids, "the read lease", status=502)
             peer = await rt.peer(lease.agent_metadata)
         except HandoffError as exc:
             decision.decision, decision.reason = ReuseWay.RECOMPUTE, f"fetch failed, recomputed: {exc}"
             return None, decision
         fetch = Incoming(f"fetch:{handoff_id}", blocks * rt.block_size, request_id=handoff_id, side=self, peer=peer,
-                         remote_blocks=lease.block_ids[:blocks], checksums=lease.checksums[:blocks],
-                         expects_first_token=False)
+                         remote_blocks=lease.block_ids[:blocks], remote_layout=remote_layout,
+                         checksums=lease.checksums[:blocks], expects_first_token=False)
         fetch.extra.update(lease_id=lease.lease_id, started=started)
         return fetch, decision
 
@@ -283,10 +284,9 @@ class ReusePrefill(Side):
         self.rt.reader.put(lambda: self._read(fetch))
 
     def _read(self, fetch: Incoming) -> None:
-        layout = self.rt.layout
         try:
-            handle = self.rt.agent.read(fetch.peer, layout.block_descs(fetch.transferred_blocks),
-                                        layout.block_descs(fetch.remote_blocks))
+            handle = self.rt.agent.read(fetch.peer, self.rt.layout.block_descs(fetch.transferred_blocks),
+                                        fetch.remote_layout.block_descs(fetch.remote_blocks))
             handle.wait(self.rt.cfg.kv_timeout_s)
             fetch.bytes = handle.nbytes
             done = time.monotonic()

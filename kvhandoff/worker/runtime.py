@@ -220,6 +220,7 @@ class Incoming:
     peer: str | None = None
     mode: M.Mode | None = None
     remote_blocks: list[int] = field(default_factory=list)     # pull, reuse: known up front
+    remote_layout: KVLayout | None = None                      # ... in the peer's pool, of this layout
     checksums: list[int] | None = None                         # pull, reuse: up front; push: with Done
     first_token: int | None = None                             # sampled by the prefill
     skip_blocks: int = 0        # leading blocks this worker holds already (its prefix cache): not moved
@@ -505,6 +506,18 @@ class Runtime:
 
     def checksums(self, block_ids: list[int]) -> list[int]:
         return block_checksums(self.kv, block_ids)
+
+    def peer_layout(self, pool_blocks: int, block_ids: list[int], what: str, status: int = 400) -> KVLayout:
+        """The layout of a peer's pool of `pool_blocks` blocks, whose `block_ids` (named in `what`) must
+        lie in it: a HandoffError (`status`) otherwise. (Every byte of a transfer is also checked
+        against the peer's region by the agents; this catches ids that would land in another layer.)"""
+        if pool_blocks < 1:
+            raise HandoffError(f"{what} names a pool of {pool_blocks} blocks", status)
+        layout = self.layout.peer(pool_blocks)
+        bad = layout.out_of_range(block_ids)
+        if bad is not None:
+            raise HandoffError(f"{what} names block {bad}, outside its pool of {pool_blocks} blocks", status)
+        return layout
 
     # ---- submitting to the engine ---------------------------------------------------------------
     def submit(self, side: Side, entry, request_id: str, prompt_ids: list[int], params: SamplingParams,
