@@ -26,7 +26,8 @@ from kvhandoff.wire.modes import Mode, Role
 # EventNotes, and a decode worker can serve a request colocated or resume one (ColocatedParams).
 # 6: a bf16 block keeps each head's K and V in the paired layouts (model/paired_kv.py, issue 25):
 # same bytes, other meaning again. 7: the pool is layer-major (a block is a range per layer, placed by
-# the pool's size), so the messages that name a worker's blocks carry its pool's size (pool_blocks).
+# the pool's size), so the messages that name a worker's blocks carry its pool's size (pool_blocks);
+# a block's checksum is CRC-32C, over its layers in order.
 PROTOCOL_VERSION = 7
 PROTOCOL = f"kvhandoff-handoff/{PROTOCOL_VERSION}"     # the transfer agents' handshake compares it
 # Per-request phases every handoff object reports, in ms (docs/HANDOFF.md): the one definition.
@@ -83,7 +84,7 @@ class PullHandoff(Message):
     num_kv_tokens: int                  # the whole prompt
     block_ids: list[int]
     pool_blocks: int                    # how many blocks the prefill's pool holds (where its ids lie: kv_layout.py)
-    checksums: list[int]                # CRC-32 per block
+    checksums: list[int]                # CRC-32C per block (kv_layout.block_checksums)
     agent_metadata: str                 # base64 of the prefill agent's metadata
     first_token_id: int | None = None   # sampled by the prefill (checked by the decode side: 400 if missing)
     handoff_id: str = ""

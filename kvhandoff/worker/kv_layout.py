@@ -10,10 +10,10 @@ transfer layer coalesces a layer's runs of adjacent blocks (on both sides) into 
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import google_crc32c
 import numpy as np
 
 from kvhandoff.transfer.descriptors import DescList
@@ -65,14 +65,18 @@ class KVLayout:
 
 
 def block_checksums(kv_cache: torch.Tensor, block_ids: list[int]) -> list[int]:
-    """CRC-32 of each block's bytes, layer by layer (every layer, K and V, including unused slots of a
-    partial block: those travel too, so both sides agree on them). ~1.7 GB/s here, a few ms per handoff."""
+    """CRC-32C of each block's bytes, layer by layer (every layer, K and V, including unused slots of
+    a partial block: those travel too, so both sides agree on them). Both sides of every handoff
+    compute these on its critical path: by the CPU's CRC instruction (google-crc32c) 1.4 ms for a
+    1,024-token SmolLM2 bf16 prompt's 33 blocks (990 ranges), against 6.1 ms for zlib's CRC-32, and
+    over one numpy view of the pool (a torch slice per range cost another 3.9 ms; Zen 4, 2026-12-05).
+    The pool is the transfer agent's host memory."""
     import torch        # loaded already wherever there is a pool (see the TYPE_CHECKING import)
-    flat = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
+    ranges = kv_cache.view(torch.uint8).numpy().reshape(kv_cache.shape[0], kv_cache.shape[1], -1)
     sums = []
     for b in block_ids:
         crc = 0
-        for layer in range(flat.shape[0]):
-            crc = zlib.crc32(flat[layer, b].view(torch.uint8).cpu().numpy(), crc)
+        for layer in range(ranges.shape[0]):
+            crc = google_crc32c.extend(crc, ranges[layer, b])
         sums.append(crc)
     return sums
