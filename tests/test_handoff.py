@@ -166,6 +166,28 @@ def test_another_protocol_version_is_refused(workers):
     assert httpx.post(f"{workers['prefill'].url}/v1/completions", json=body("still serving"), timeout=30).status_code == 200
 
 
+def test_block_ids_outside_the_pool_they_name_are_refused(workers):
+    """Block ids travel with their pool's size (a layer-major pool places a block by it): an id
+    outside that pool, or a pool of no blocks, is a 400 that says so, on either side, before any
+    transfer; the workers go on serving."""
+    info = httpx.get(f"{workers['decode'].url}/kv/info", headers=HEADERS, timeout=10).json()
+    for pool_blocks, block_ids, why in ((4, [1, 4], "names block 4, outside its pool of 4 blocks"),
+                                        (0, [0], "names a pool of 0 blocks")):
+        registration = {"handoff_id": f"bad-pool-{pool_blocks}", "mode": "push", "decode_worker": "d",
+                        "agent_metadata": info["agent_metadata"], "block_ids": block_ids, "pool_blocks": pool_blocks,
+                        "num_kv_tokens": 40, "prompt_hash": "x", "ttl_ms": 1000, "protocol_version": PROTOCOL_VERSION}
+        r = httpx.post(f"{workers['prefill'].url}/kv/register", headers=HEADERS, json=registration, timeout=10)
+        assert r.status_code == 400 and f"the registration {why}" in r.json()["error"]["message"], r.text
+    handoff, _ = disaggregated(workers["prefill"].url, workers["decode"].url, "pull", body(PROMPTS[1]))
+    kv = {"handoff_id": "bad-pool-pull", "mode": "pull", "role": "decode", "protocol_version": PROTOCOL_VERSION,
+          "remote": {**handoff, "block_ids": [handoff["pool_blocks"]] + handoff["block_ids"][1:]}}
+    r = httpx.post(f"{workers['decode'].url}/v1/completions", headers=HEADERS, timeout=30,
+                   json={**body(PROMPTS[1]), "kv_transfer_params": kv})
+    assert r.status_code == 400 and "the handoff object names block" in r.json()["error"]["message"], r.text
+    for role in ("prefill", "decode"):
+        assert httpx.post(f"{workers[role].url}/v1/completions", json=body("still serving"), timeout=30).status_code == 200
+
+
 def test_expired_lease_is_detected_and_recomputed(tmp_path, workers, reference):
     """Prefill frees the blocks when the lease runs out and reuses them; the decode side's READ then
     gets someone else's KV, which verification must catch (recompute: right tokens, no garbage)."""
