@@ -214,7 +214,6 @@ def test_greedy_tokens_are_torch_argmax_to_the_index():
                 assert kernels.argmax_rows(logits) == expected, trial
 
 
-
 def test_the_block_pool_hands_out_blocks_freed_together_as_an_ascending_run():
     """allocate takes the least recently freed blocks (LRU: cached prefixes live longest) and returns
     them in ascending order: a finished sequence's blocks, released tail first, come back as one run
@@ -228,6 +227,7 @@ def test_the_block_pool_hands_out_blocks_freed_together_as_an_ascending_run():
     assert pool.allocate(5) == [0, 1, 2, 3, 4]      # the first sequence's, whole
     assert pool.allocate(2) == [7, 8]               # the second's, its tail first
     assert pool.num_free == 2
+
 
 def test_top_k_one_is_greedy(engine, prompts, reference):
     params = SamplingParams(max_tokens=24, temperature=0.8, top_k=1, seed=3, ignore_eos=True)

@@ -327,7 +327,6 @@ def test_a_bf16_fused_decode_step_gives_the_reference_logits(bias):
     assert (got - exact).abs().max() < (decode_step_logits(plain, prompts, 16).float() - exact).abs().max()
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_rows_in_c_equal_torchs_and_refuse_ids_outside_the_vocabulary(dtype):
     """kernels.embed_rows (a decode step's token rows, widened to fp32 in one call) against

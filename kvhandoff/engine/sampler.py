@@ -31,14 +31,13 @@ class Sampler:
             logits = logits.float().cpu()
         early = [row for row, request in enumerate(requests)
                  if len(request.output_token_ids) < request.params.min_tokens]
-        greedy = all(r.params.greedy for r in requests)
-        if greedy and not early:
+        if early:
+            with torch.inference_mode():        # (the logits are an inference tensor: masked in place)
+                for row in early:
+                    self._mask_early_stop(logits[row], requests[row])
+        if all(r.params.greedy for r in requests):
             return greedy_tokens(logits)        # (outside inference mode: entering it cold costs ~40 us)
         with torch.inference_mode():
-            for row in early:
-                self._mask_early_stop(logits[row], requests[row])
-            if greedy:
-                return greedy_tokens(logits)
             return [self._sample_row(logits[row], request) for row, request in enumerate(requests)]
 
     def _mask_early_stop(self, row: torch.Tensor, request: Request) -> None:

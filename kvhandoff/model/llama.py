@@ -424,14 +424,14 @@ class LlamaModel(nn.Module):
         """The decode rows (one token per sequence, after the prefill rows) through FusedDecode and
         the final norm, in fp32."""
         P = meta.num_prefill_tokens
-        ids = input_ids[P:] if P else input_ids
+        rest = (lambda rows: rows[P:]) if P else (lambda rows: rows)    # (no slice, a torch op, when all decode)
+        ids = rest(input_ids)
         if self.embed_tokens is None:
             x = self.packed_head.rows(ids)
         else:
             x = kernels.embed_rows(self.embed_tokens.weight, ids)
-        return self.fused_decode(x, positions[P:] if P else positions, meta.slot_block[P:] if P else meta.slot_block,
-                                 meta.slot_offset[P:] if P else meta.slot_offset, meta.decode_block_ids,
-                                 meta.decode_context_lens, kv_cache, on_layer)
+        return self.fused_decode(x, rest(positions), rest(meta.slot_block), rest(meta.slot_offset),
+                                 meta.decode_block_ids, meta.decode_context_lens, kv_cache, on_layer)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) if self.embed_tokens is not None else self.packed_head.rows(input_ids)
