@@ -14,6 +14,7 @@ import torch
 
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.block_pool import BlockPool, hash_chain
+from kvhandoff.engine.detokenizer import detokenize
 from kvhandoff.engine.holds import Hold, Holdings, set_aside_owner
 from kvhandoff.engine.kv_connector import KVConnector, KVEvents
 from kvhandoff.engine.request import (FinishReason, Request, RequestOutput, RequestState, Resume, RetainedKV,
@@ -322,7 +323,7 @@ class LLMEngine:
         stream for it (the router sends it to the client at once; the decode worker, which appends
         the same token to the same state, continues the text exactly after it)."""
         request.output_token_ids.append(token)
-        new_text, _ = self._detokenize(request, final=self._stop_reason(request, token) is not None)
+        new_text, _ = detokenize(self.tokenizer, request, final=self._stop_reason(request, token) is not None)
         return self._finish(request, FinishReason.PREFILLED, new_token_ids=[token], new_text=new_text)
 
     def _apply(self, events: KVEvents) -> list[RequestOutput]:
@@ -339,7 +340,7 @@ class LLMEngine:
             request.timings.second_token = now
         request.output_token_ids.append(token)
         reason = self._stop_reason(request, token)
-        new_text, stopped = self._detokenize(request, final=reason is not None)
+        new_text, stopped = detokenize(self.tokenizer, request, final=reason is not None)
         if stopped:
             reason = FinishReason.STOP
         if reason is not None:
@@ -357,33 +358,6 @@ class LLMEngine:
         if n_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    def _detokenize(self, request: Request, final: bool) -> tuple[str, bool]:
-        """New text to emit, and whether a stop string was found (text is cut before it).
-
-        Text that could be the start of a stop string, or an incomplete UTF-8 character, is held
-        back until the next token settles it.
-        """
-        text = self.tokenizer.decode(request.output_token_ids)
-        stops = request.params.stop
-        if stops:
-            search_from = max(0, request.emitted_chars - max(map(len, stops)) + 1)
-            hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
-            if hits:
-                cut = min(hits)
-                new = text[request.emitted_chars:cut]
-                request.output_text, request.emitted_chars = text[:cut], cut
-                return new, True
-        safe = len(text)
-        if not final:
-            if text.endswith("\ufffd"):
-                safe = len(text.rstrip("\ufffd"))
-            if stops:
-                safe = min(safe, len(text) - max(map(len, stops)) + 1)
-        safe = max(safe, request.emitted_chars)
-        new = text[request.emitted_chars:safe]
-        request.output_text, request.emitted_chars = text, safe
-        return new, False
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
                 new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:

@@ -97,9 +97,14 @@ class Request:
     remote_tokens: int = 0
     finish_reason: FinishReason | None = None
     timings: Timings = field(default_factory=lambda: Timings(arrival=time.monotonic()))
-    # Detokenization state (see engine.detokenize): text already emitted, and held back text.
+    # Detokenization state (engine/detokenizer.py): the text so far and how much of it was emitted
+    # (the rest is held back); the text of output_token_ids[:settled_offset], which ends on a whole
+    # character, and where the tokens decoded again for context begin.
     output_text: str = ""
     emitted_chars: int = 0
+    settled_text: str = ""
+    settled_offset: int = 0
+    context_offset: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

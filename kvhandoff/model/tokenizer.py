@@ -59,6 +59,15 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# Decoders after which a run of tokens, decoded behind at least one token of context, gives that run's
+# text in place: byte-level BPE's (GPT-2, Llama 3, SmolLM2: invalid bytes replaced one run at a time,
+# as UTF-8 resynchronizes), and "▁" to a space with the text's first space stripped (which the
+# context absorbs). Others are decoded whole (engine/detokenizer.py): WordPiece's cleanup joins across
+# tokens, and ByteFallback replaces every byte of a run of byte tokens once the run is invalid, so a
+# byte can change the text before it (E2 82 82 is "₂"; one more E2 makes it four replacements).
+_WINDOWED_DECODERS = {"ByteLevel", "Fuse", "Replace", "Strip", "Metaspace"}
+
+
 @dataclass
 class Tokenizer:
     tok: HFTokenizer
@@ -95,6 +104,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def decodes_in_windows(self) -> bool:
+        """May an output be decoded a few tokens at a time (see _WINDOWED_DECODERS)?"""
+        spec = json.loads(self.tok.to_str()).get("decoder")
+        steps = spec.get("decoders", []) if spec and spec.get("type") == "Sequence" else [spec]
+        return bool(steps) and all(step and step.get("type") in _WINDOWED_DECODERS for step in steps)
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
