@@ -213,9 +213,9 @@ def decode_step_logits(model: LlamaModel, prompts: list[list[int]], block_size: 
     return runner.run([ScheduledChunk(r, 1) for r in requests])
 
 
-def small_model(bias: bool, seed: int) -> LlamaModel:
+def small_model(bias: bool, seed: int, intermediate: int = 200) -> LlamaModel:
     """Two layers, GQA (6 heads over 2), tied embeddings, with or without a random qkv bias (Qwen2)."""
-    cfg = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=200, num_layers=2, num_heads=6,
+    cfg = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=intermediate, num_layers=2, num_heads=6,
                       num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
                       max_position_embeddings=512, tie_word_embeddings=True, attention_bias=bias)
     torch.manual_seed(seed)
@@ -305,19 +305,24 @@ def test_fp32_weights_placed_together_keep_their_values_in_read_order():
     assert torch.equal(linears[0](x), y) and dict(linears[0].named_buffers())["panels"] is linears[0].panels
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_a_bf16_fused_decode_step_gives_the_reference_logits(bias):
+@pytest.mark.parametrize("bias,intermediate", [(False, 200), (True, 200), (False, 256)])
+@pytest.mark.parametrize("batch", [(1, 15, 16, 17, 70), (33,), tuple(range(20, 60))])
+def test_a_bf16_fused_decode_step_gives_the_reference_logits(bias, intermediate, batch):
     """bf16 weights and a bf16 K/V pool: decode_layer (fp32 activations, each matmul's input rounded to
     bf16 where the CPU's bf16 dot products serve, weights widened on load elsewhere) against the torch
     model on the same bf16 weights in fp32 (the same maths but for those roundings); torch's own bf16
-    path, which rounds every activation to bf16, is farther from it."""
-    plain = small_model(bias, seed=5).bfloat16()
+    path, which rounds every activation to bf16, is farther from it. An intermediate width of whole
+    panels (256) has its gate and up panels interleaved and SiLU computed pair by pair, in column tiles
+    (2-32 rows) and in row tiles (one row, 40); 200 keeps gate_up on the widening path."""
+    plain = small_model(bias, seed=5, intermediate=intermediate).bfloat16()
     cfg = plain.cfg
     fused = LlamaModel(cfg).eval().bfloat16()
     fused.load_state_dict(plain.state_dict())
     fused.use_cpu_kernels()
     assert fused.fused_decode is not None and fused.packed_head is None
-    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (1, 15, 16, 17, 70)]
+    gate_up = fused.fused_decode.layers[0].gate_up
+    assert (id(gate_up) in fused.fused_decode.vnni) == (intermediate % 16 == 0 and kernels.native_bf16(cfg.hidden_size))
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in batch]
     got = decode_step_logits(fused, prompts, 16)
     assert got.dtype == torch.float32
     widened = LlamaModel(cfg).eval()

@@ -234,17 +234,39 @@ static const char* side_take(struct side_cursor* c, long max_lines, long* lines)
   return at;
 }
 
-/* x (fp32, row stride ldx) rounded to bf16: [M][K], or for columns each chunk of rows [K/2][rows] */
-static bf16* bf16_rows(const float* x, long M, long K, long ldx) {
-  bf16* xb = aligned_alloc(64, ((M * K * sizeof(bf16) + 63) / 64) * 64);
-  bf16* rows = uses_columns(M) ? malloc(M * K * sizeof(bf16)) : xb;      /* [M][K], interleaved into xb below */
+/* x (fp32, row stride ldx) rounded to bf16 into rows [M][K] */
+static void bf16_convert(const float* x, long M, long K, long ldx, bf16* rows) {
   for (long m = 0; m < M; m++)
     for (long k = 0; k < K; k += 32) {
       __m512 lo = _mm512_loadu_ps(x + m * ldx + k), hi = _mm512_loadu_ps(x + m * ldx + k + 16);
       _mm512_storeu_si512(rows + m * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
-  if (rows == xb)
-    return xb;
+}
+
+/* x rounded to bf16 [M][K] (the caller frees it) */
+static bf16* bf16_rows(const float* x, long M, long K, long ldx) {
+  bf16* xb = aligned_alloc(64, ((M * K * sizeof(bf16) + 63) / 64) * 64);
+  bf16_convert(x, M, K, ldx, xb);
+  return xb;
+}
+
+/* x rounded to bf16 for column tiles, each chunk of rows [K/2][rows], in the calling thread's own
+   buffer (reused, never freed). Each thread of a linear converts the whole input for itself: one
+   thread's copy, read by the others, crossed between cores twice a linear (read, then invalidated
+   by the next write), and when a VM's two cores sit on different CCDs a line crosses in ~170 ns
+   against ~35 (a ping-pong between the two threads). SmolLM2 bf16, 16 sequences at 1,024 tokens,
+   two threads: the serial conversion took 0.55 ms a step on one CCX and 2.0 ms across two. */
+static const bf16* column_input(const float* x, long M, long K, long ldx) {
+  static __thread bf16 *rows, *xb;
+  static __thread long capacity;
+  if (M * K > capacity) {
+    free(rows);
+    free(xb);
+    capacity = M * K;
+    rows = malloc(capacity * sizeof(bf16));
+    xb = aligned_alloc(64, ((capacity * sizeof(bf16) + 63) / 64) * 64);
+  }
+  bf16_convert(x, M, K, ldx, rows);
   const int32_t* pairs = (const int32_t*)rows;
   for (long c = 0, chunks = column_chunks(M); c < chunks; c++) {
     long m0 = M * c / chunks, mr = M * (c + 1) / chunks - m0;
@@ -252,37 +274,49 @@ static bf16* bf16_rows(const float* x, long M, long K, long ldx) {
     for (long kp = 0; kp < K / 2; kp++)
       for (long i = 0; i < mr; i++) out[kp * mr + i] = pairs[(m0 + i) * (K / 2) + kp];
   }
-  free(rows);
   return xb;
 }
 
 #ifndef M_BLOCK_BYTES
 #define M_BLOCK_BYTES (128 * 1024)
 #endif
+static inline void silu_pair(const float* g, const float* u, float* act);
+
 /* y = x @ W^T, W packed by pack_bf16_vnni; x fp32 [M][K] (row stride ldx), K % 32 == 0; with `side`,
-   its runs prefetched as the tiles go (decode_layer) */
+   its runs prefetched as the tiles go (decode_layer). With `silu_out` (column tiles only), W is an MLP's
+   gate and up projections with their panels interleaved (gate panel j, then up panel j) and what is
+   computed is silu_out [M][N / 2] = silu(gate) * up: each thread takes whole pairs and multiplies
+   them while they are in L1, so the product is written by the thread that computed its inputs (no
+   SiLU pass reading the other thread's halves, and no parallel region of its own). */
 static void gemm_vnni_side(const float* x, long M, long K, long ldx, const bf16* pw, long N, float* y, long ldy,
-                           int num_threads, const struct side* side) {
+                           int num_threads, const struct side* side, float* silu_out) {
   if (M == 0 || N == 0)
     return;
-  bf16* xb = bf16_rows(x, M, K, ldx);
   long panels = (N + 15) / 16, pstride = 16 * K;
   if (uses_columns(M)) {
-    long chunks = column_chunks(M);
+    long chunks = column_chunks(M), step = silu_out ? 2 : 1, units = panels / step;     /* (N % 32 == 0 with silu_out) */
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (long part = 0; part < num_threads; part++) {
+      const bf16* xb = column_input(x, M, K, ldx);
       struct side_cursor cursor = side_share(side, part, num_threads);
-      for (long p = panels * part / num_threads, pe = panels * (part + 1) / num_threads; p < pe; p++)
+      float pair[COLUMN_ROWS][32] __attribute__((aligned(64)));       /* a chunk's gate and up panels */
+      for (long unit = units * part / num_threads, ue = units * (part + 1) / num_threads; unit < ue; unit++)
         for (long c = 0; c < chunks; c++) {
           long m0 = M * c / chunks, m1 = M * (c + 1) / chunks, lines;
-          const char* pf = side_take(&cursor, K / 2 / num_threads, &lines);
-          COLUMNS[m1 - m0](xb + m0 * K, K, pw + p * pstride, y + m0 * ldy + 16 * p, ldy, N - 16 * p, pf, lines,
-                           num_threads);
+          for (long p = unit * step; p < (unit + 1) * step; p++) {
+            const char* pf = side_take(&cursor, K / 2 / num_threads, &lines);
+            float* out = silu_out ? pair[0] + 16 * (p - unit * step) : y + m0 * ldy + 16 * p;
+            COLUMNS[m1 - m0](xb + m0 * K, K, pw + p * pstride, out, silu_out ? 32 : ldy, N - 16 * p, pf, lines,
+                             num_threads);
+          }
+          if (silu_out)
+            for (long i = 0; i < m1 - m0; i++)
+              silu_pair(pair[i], pair[i] + 16, silu_out + (m0 + i) * (N / 2) + 16 * unit);
         }
     }
-    free(xb);
     return;
   }
+  bf16* xb = bf16_rows(x, M, K, ldx);
   long np = tile_panels(M, num_threads);
   /* Many rows (a prompt's): MB rows at a time, so that their inputs stay in L2 while every panel
      passes over them. */
@@ -318,7 +352,7 @@ static void gemm_vnni_side(const float* x, long M, long K, long ldx, const bf16*
 
 void gemm_bf16_vnni(const float* x, long M, long K, long ldx, const bf16* pw, long N, float* y, long ldy,
                     int num_threads) {
-  gemm_vnni_side(x, M, K, ldx, pw, N, y, ldy, num_threads, 0);
+  gemm_vnni_side(x, M, K, ldx, pw, N, y, ldy, num_threads, 0, 0);
 }
 #endif
 
@@ -399,6 +433,12 @@ static inline v8 silu8(v8 x) {
   v8 positive = 1.f / (1.f + e);                  /* sigmoid(|x|) */
   v8i negative = x < 0.f;
   return x * (v8)((negative & (v8i)(e * positive)) | (~negative & (v8i)positive));
+}
+
+/* act[16j + i] = silu(gate) * up of a (gate, up) pair of 16 columns: g and u, 16 floats each */
+static inline void silu_pair(const float* g, const float* u, float* act) {
+  for (int i = 0; i < 16; i += 8)
+    *(v8u*)(act + i) = silu8(*(const v8u*)(g + i)) * *(const v8u*)(u + i);
 }
 
 /* One block's scores s[0, n) of one query head into the online softmax whose running max is *m and
@@ -837,7 +877,7 @@ void rms_norm(float* x, const float* delta, long rows, long dim, long ldx, long 
 static void rope_store(float* qkv, long T, long ld, long heads, long kv_heads, long D, const float* cos,
                        const float* sin, const int64_t* positions, char* k_base, char* v_base, long item,
                        long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset,
-                       int threads) {
+                       float q_scale, int threads) {
   long half = D / 2;
   #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_WORK_ROWS)
   for (long t = 0; t < T; t++) {
@@ -846,10 +886,12 @@ static void rope_store(float* qkv, long T, long ld, long heads, long kv_heads, l
     const float* s = sin + (positions ? positions[t] : t) * half;
     for (long h = 0; h < heads + kv_heads; h++) {
       float* x = row + h * D;
+      float scale = h < heads ? q_scale : 1.f;        /* (after the rotation: the rounding of rotating, then scaling) */
       for (long i = 0; i < half; i++) {
         float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * c[i] - x2 * s[i];
-        x[i + half] = x2 * c[i] + x1 * s[i];
+        float r1 = x1 * c[i] - x2 * s[i], r2 = x2 * c[i] + x1 * s[i];
+        x[i] = r1 * scale;
+        x[i + half] = r2 * scale;
       }
     }
     long slot = slot_block[t] * block_stride + slot_offset[t] * D, off = slot_offset[t];
@@ -873,7 +915,7 @@ void rope_store_kv(float* qkv, long T, long ld, long heads, long kv_heads, long 
                    const float* sin_rows, float* k_base, float* v_base,
                    long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset) {
   rope_store(qkv, T, ld, heads, kv_heads, D, cos_rows, sin_rows, 0, (char*)k_base, (char*)v_base, sizeof(float),
-             block_stride, block_size, slot_block, slot_offset, 1);
+             block_stride, block_size, slot_block, slot_offset, 1.f, 1);
 }
 
 /* The index of each row's maximum (x [rows][n], row stride ld) into out: the first, as numpy's and
@@ -930,7 +972,8 @@ long embed_rows(const char* table, long item, long V, long H, const int64_t* ids
    on one AVX2 core, issue 12). Here the layer's norms, matmuls, RoPE, K/V store, attention, SiLU
    and residual adds run back to back on scratch memory. The per-op path stays for prefill. */
 /* n columns (padded to cols); fp32 panels for gemm_packed, or bf16: `vnni` (packed for gemm_bf16_vnni,
-   CPUs with bf16 dot products) or else `rows`, the [n][K] weight itself, for gemv_bf16 */
+   CPUs with bf16 dot products; an MLP's gate_up with its gate and up panels interleaved, see
+   gemm_vnni_side) or else `rows`, the [n][K] weight itself, for gemv_bf16 */
 struct packed { const float* panels; const bf16* rows; long cols, n; const float* bias; const bf16* vnni; };
 
 struct decode_layer_weights {
@@ -958,7 +1001,7 @@ static void linear(const float* x, long M, long K, long ldx, const struct packed
                    const struct side* side) {
 #ifdef NATIVE_BF16
   if (w->vnni)
-    gemm_vnni_side(x, M, K, ldx, w->vnni, w->n, y, w->cols, threads, side);
+    gemm_vnni_side(x, M, K, ldx, w->vnni, w->n, y, w->cols, threads, side, 0);
   else
 #endif
   if (w->rows)
@@ -984,6 +1027,29 @@ static long side_capacity(long M, long K, const struct packed* w, long run_bytes
 }
 
 #define SIDE_MIN_ROWS 4
+
+/* act [T][I] = silu(gate) * up of h's gate_up projection (gu: scratch for it, [T][gate_up.cols]); a
+   vnni gate_up has its gate and up panels interleaved (see gemm_vnni_side) */
+static void mlp_activation(const float* h, long T, long H, const struct packed* w, long I, float* gu, float* act,
+                           int threads, const struct side* side) {
+#ifdef NATIVE_BF16
+  if (w->vnni && uses_columns(T)) {
+    gemm_vnni_side(h, T, H, H, w->vnni, w->n, 0, 0, threads, side, act);
+    return;
+  }
+#endif
+  linear(h, T, H, H, w, gu, threads, side);
+  int paired = w->vnni != 0;
+  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_WORK_ROWS)
+  for (long r = 0; r < T; r++) {
+    const float* g = gu + r * w->cols;
+    long i = 0;
+    if (paired)
+      for (; i < I; i += 16) silu_pair(g + 2 * i, g + 2 * i + 16, act + r * I + i);
+    for (; i + 8 <= I; i += 8) *(v8u*)(act + r * I + i) = silu8(*(const v8u*)(g + i)) * *(const v8u*)(g + I + i);
+    for (; i < I; i++) act[r * I + i] = g[i] / (1.f + expf(-g[i])) * g[I + i];
+  }
+}
 
 /* Scratch: rows * (hidden + qkv.cols + heads * head_dim + o.cols + gate_up.cols + intermediate + down.cols)
    floats. Returns 0, or 1 + the first row whose position lies outside RoPE's table (nothing done). */
@@ -1028,22 +1094,12 @@ long decode_layer(const struct decode_layer_weights* L, const struct decode_batc
   rms_norm_rows(x, 0, T, H, H, 0, L->norm1, L->eps1, h, threads);
   linear(h, T, H, H, &L->qkv, qkv, threads, &own);
   rope_store(qkv, T, L->qkv.cols, L->heads, L->kv_heads, D, B->cos, B->sin, B->positions, L->k_base, L->v_base,
-             L->kv_item, L->block_stride, L->block_size, B->slot_block, B->slot_offset, threads);
-  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
-  for (long r = 0; r < T; r++)
-    for (long i = 0; i < q_size; i++) qkv[r * L->qkv.cols + i] *= B->scale;
+             L->kv_item, L->block_stride, L->block_size, B->slot_block, B->slot_offset, B->scale, threads);
   attention(qkv, L->qkv.cols, att, q_size, T, L->heads, L->kv_heads, D, L->k_base, L->v_base, L->kv_item,
             L->block_stride, L->block_size, B->block_tables, B->max_blocks, 0, B->lens, threads);
   linear(att, T, q_size, q_size, &L->o, o, threads, ahead ? &next_o : 0);
   rms_norm_rows(x, o, T, H, H, L->o.cols, L->norm2, L->eps2, h, threads);     /* x += o, h = norm(x) */
-  linear(h, T, H, H, &L->gate_up, gu, threads, ahead ? &next_gu : 0);
-  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_WORK_ROWS)
-  for (long r = 0; r < T; r++) {
-    const float *g = gu + r * L->gate_up.cols, *u = g + I;
-    long i = 0;
-    for (; i + 8 <= I; i += 8) *(v8u*)(act + r * I + i) = silu8(*(const v8u*)(g + i)) * *(const v8u*)(u + i);
-    for (; i < I; i++) act[r * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
-  }
+  mlp_activation(h, T, H, &L->gate_up, I, gu, act, threads, ahead ? &next_gu : 0);
   linear(act, T, I, I, &L->down, down, threads, ahead ? &next_down : 0);
   #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long r = 0; r < T; r++)

@@ -240,6 +240,14 @@ def pack_vnni(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     return out
 
 
+def interleave_panels(gate_up: torch.Tensor) -> torch.Tensor:
+    """An MLP's [gate; up] weight [2I, K] with its rows reordered by panels of 16: gate's first 16,
+    up's first 16, gate's next 16, ... (a copy; I % 16 == 0)."""
+    rows, width = gate_up.shape
+    assert rows % (2 * PANEL) == 0
+    return gate_up.view(2, rows // (2 * PANEL), PANEL, width).transpose(0, 1).reshape(rows, width)
+
+
 def pack_vnni_together(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """pack_vnni of each, one after another in one region (streamed_memory), in the order given: the
     order a step reads them, so that a step streams its weights from one end to the other. SmolLM2,
@@ -369,12 +377,17 @@ class FusedDecode:
         assert self.cos.shape == self.sin.shape and self.cos.shape[1] == head_dim // 2
         self.norm_weight, self.norm_eps = final_norm[0].detach().float().contiguous(), final_norm[1]
         self.biases: list[torch.Tensor] = []          # fp32 copies the structs point at
-        # bf16 weights packed for gemm_bf16_vnni (by id of their nn.Linear), once, at load, in one region
+        # bf16 weights packed for gemm_bf16_vnni (by id of their nn.Linear), once, at load, in one region;
+        # gate_up with its gate and up panels interleaved (decode_layer computes SiLU pair by pair), so
+        # only where the intermediate width is whole panels
+        assert first.gate_up.out_features == 2 * self.intermediate and first.o.in_features == heads * head_dim
+        gate_ups = {id(layer.gate_up) for layer in layers} if self.intermediate % PANEL == 0 else set()
         native = [linear for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
                   if not isinstance(linear, PackedLinear) and linear.weight.dtype == torch.bfloat16
-                  and native_bf16(linear.in_features)]
-        self.vnni = dict(zip(map(id, native), pack_vnni_together([linear.weight.detach() for linear in native])))
-        assert first.gate_up.out_features == 2 * self.intermediate and first.o.in_features == heads * head_dim
+                  and native_bf16(linear.in_features) and (linear is not layer.gate_up or id(linear) in gate_ups)]
+        weights = [interleave_panels(linear.weight.detach()) if id(linear) in gate_ups else linear.weight.detach()
+                   for linear in native]
+        self.vnni = dict(zip(map(id, native), pack_vnni_together(weights)))
         assert first.qkv.out_features == (heads + 2 * kv_heads) * head_dim
         self._structs: list[_LayerWeights] = []
         self._pool = None               # the pool the structs point into (data_ptr, shape)
