@@ -108,7 +108,20 @@ def test_cached_prefill_and_limits(report):
         figure = limits["figures"][name]
         assert len(figure["read_gbps_per_round"]) == 1 and figure["read_gbps_per_round"][0] > 0, figure
         assert figure["x_floor_per_round"] == [figure["x_floor"]], figure
+        assert "core_handoff_ns_per_round" not in figure        # (one thread: no second core to hand to)
     assert "x floor" in stdout and "GFLOP/s" in stdout and "GB/s beside its rounds" in stdout
+
+
+def test_two_threads_rounds_record_how_long_a_line_took_between_cores():
+    """On two threads each decode round is set beside the read rate and the cross-core handoff time
+    measured right after it (RoundReadRates), what tells one CCX from two CCDs in a VM's results."""
+    from kvhandoff.bench.limits import RoundReadRates
+    from kvhandoff.model import kernels
+    if kernels.core_handoff_ns(10) is None:
+        pytest.skip("no compiled kernels or a single core here")
+    reads, handoffs = {"ours": []}, {"ours": []}
+    RoundReadRates().after(reads, handoffs)("ours")
+    assert len(reads["ours"]) == len(handoffs["ours"]) == 1 and reads["ours"][0] > 0 and handoffs["ours"][0] > 1
 
 
 def test_dtypes_compare_sets_each_dtype_beside_its_own_floor(report):

@@ -424,3 +424,13 @@ def test_without_gcc_the_engine_falls_back_to_torch(tmp_path):
     with_kernels = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert with_kernels.returncode == 0, with_kernels.stderr[-2000:]
     assert with_kernels.stdout.strip().splitlines()[-2:] == [f"{kernels.status()}: fp32, prompts row by row like decode rows", tokens]
+
+
+def test_the_core_handoff_probe_times_a_line_between_two_threads():
+    """The limit probe's cross-core latency (kernels.core_handoff_ns): two OpenMP threads hand a flag
+    back and forth; on two cores that is tens to hundreds of ns one way (more when the threads share
+    a busy core, but never nothing)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing to hand a line to")
+    ns = kernels.core_handoff_ns(500)
+    assert ns is not None and 1 < ns < 5e6

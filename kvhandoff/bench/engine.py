@@ -369,6 +369,7 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
     records = {k: new_record(units[k], sides) for k in units}
     for kind in DECODE_KINDS:
         records[kind]["ours"]["read_gbps_runs"] = []
+        records[kind]["ours"]["core_handoff_ns_runs"] = []
     cached = CachedPrefill(args, engine) if args.cached_prefix else None
     steps = DecodeSteps(args, engine, prompts) if args.mixed_chunk and len(prompts) >= 3 else None
 
@@ -394,7 +395,10 @@ def bench_threads(args, engine: LLMEngine, hf, prompts: list[list[int]], threads
         log(f"threads={threads}: round {r + 1}/{args.repeats}")
         for kind in units:
             fns = {side: fns_of[side][kind] for side in sides}
-            after = round_reads.after({"ours": records[kind]["ours"]["read_gbps_runs"]}) if kind in DECODE_KINDS else None
+            ours = records[kind]["ours"]
+            after = round_reads.after({"ours": ours["read_gbps_runs"]},
+                                      {"ours": ours["core_handoff_ns_runs"]} if threads > 1 else None) \
+                if kind in DECODE_KINDS else None
             run_pair(kind, threads, fns, records[kind], r, after)
         if cached:
             run_pair("cached", threads, {"ours": cached.measure}, cached.record, r)
@@ -451,6 +455,8 @@ def limits_of(args, engine: LLMEngine, threads: int, records: dict) -> dict:
         figures[name] = (as_ms(ours["median"]), paired.floor_ms)
         decode[name] = {"x_floor": round(paired.x_floor, 3), "read_gbps_per_round": ours["read_gbps_runs"],
                         "x_floor_per_round": [round(x, 3) for x in paired.x_per_round]}
+        if ours["core_handoff_ns_runs"]:
+            decode[name]["core_handoff_ns_per_round"] = ours["core_handoff_ns_runs"]
     if "cached_prefill" in records:
         rec = records["cached_prefill"]
         figures["cached_prefill_ms"] = (rec["ours"]["median"],
@@ -610,11 +616,17 @@ def print_report(meta: dict, results: dict, goals: list[dict], dtypes: dict | No
             per_round = f.get("read_gbps_per_round")
             rounds = "" if not per_round else \
                 f"   read {min(per_round):.1f}-{max(per_round):.1f} GB/s beside its rounds"
+            handoffs = f.get("core_handoff_ns_per_round")
+            if handoffs:
+                rounds += f", a line between cores {' / '.join(f'{ns:.0f}' for ns in handoffs)} ns"
             print(f"{t:>3}  {name:<24} {f['measured']:>9.1f} {f['floor']:>9.1f} {f['x_floor']:>7.2f}x{rounds}")
     print("  floors: prefill = (matmul + attention FLOPs) / matmul rate; a decode step = the larger of (weights + "
           "every sequence's K/V) / read bandwidth\n  and its FLOPs / matmul rate; concurrent_step_ms = the time "
           "one step of all sequences took. A decode figure's read rate is\n  measured right after each of its "
-          "rounds: x floor is the median of the rounds' own ratios, floor the median of their floors.\n")
+          "rounds: x floor is the median of the rounds' own ratios, floor the median of their floors.\n"
+          "  On two threads, so is how long a cache line took from one core to the other: ~30-50 ns where they "
+          "share an L3, ~170 ns\n  where a VM's vCPUs sit on two CCDs (the host moves them within minutes; "
+          "two threads' steps differ with it).\n")
     head = f"{'thr':>3}  {'goal':<58} {'value':>8} {'target':>8}  met"
     print(head + "\n" + "-" * len(head))
     for g in goals:

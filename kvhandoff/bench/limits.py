@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvhandoff.config import ModelConfig
+from kvhandoff.model.kernels import core_handoff_ns
 
 
 @dataclass(frozen=True)
@@ -126,16 +127,23 @@ def measure_read_gbps(nbytes: int = 512 << 20, repeats: int = 5, buffer: torch.T
 
 class RoundReadRates:
     """The read rate measured right after each round of a decode figure, so that every round is set
-    beside its own floor (paired_decode_floor): one buffer for the whole run, three timed sums a round."""
+    beside its own floor (paired_decode_floor): one buffer for the whole run, three timed sums a round.
+    With `handoffs`, also how long a cache line took between two cores (kernels.core_handoff_ns): a VM's
+    two vCPUs sit on one CCX (~30-50 ns) or on two CCDs (~170 ns), and two threads' steps differ with it."""
 
     def __init__(self):
         self.buffer = read_buffer()
 
-    def after(self, runs: dict[str, list[float]]):
-        """A callback for the bench's run_pair: the rate, appended to runs[side] for the sides it has."""
+    def after(self, runs: dict[str, list[float]], handoffs: dict[str, list[float]] | None = None):
+        """A callback for the bench's run_pair: the rate, appended to runs[side] for the sides it has
+        (and the handoff time to handoffs[side])."""
         def record(side: str) -> None:
             if side in runs:
                 runs[side].append(round(measure_read_gbps(repeats=3, buffer=self.buffer), 2))
+            if handoffs and side in handoffs:
+                ns = core_handoff_ns()
+                if ns is not None:
+                    handoffs[side].append(round(ns, 1))
         return record
 
 

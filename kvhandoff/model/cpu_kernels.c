@@ -26,6 +26,9 @@
 #include <string.h>
 #include <math.h>
 #include <immintrin.h>
+#include <omp.h>
+#include <stdatomic.h>
+#include <time.h>
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "kvhandoff's CPU kernels need AVX2 and FMA; the engine falls back to torch"
 #endif
@@ -1106,4 +1109,39 @@ long decode_layer(const struct decode_layer_weights* L, const struct decode_batc
     for (long i = 0; i < H; i++) x[r * H + i] += down[r * L->down.cols + i];
   free(offsets);
   return 0;
+}
+
+/* The machine, not the model: how long a cache line written by one thread takes to reach another
+   (ns, one way), two OpenMP threads handing a flag back and forth `n` times. Where two threads'
+   cores share an L3 (one CCX) a line crosses in ~30-50 ns; a VM's two vCPUs may be placed on cores of
+   two CCDs, ~170 ns, and the host moves them between the two within minutes. Two-thread decode
+   steps differ with it (what the threads hand each other costs more; each has its own L3 and
+   memory path), so the limit probe records it beside each round. -1 with fewer than two threads. */
+static _Atomic long handoff_flag __attribute__((aligned(64)));
+double core_handoff_ns(long n) {
+  double started = 0, finished = 0;
+  int team = 0;
+  atomic_store(&handoff_flag, 0);
+  #pragma omp parallel num_threads(2)
+  {
+    #pragma omp single
+    team = omp_get_num_threads();
+    if (team == 2 && omp_get_thread_num() == 0) {
+      struct timespec t;
+      clock_gettime(CLOCK_MONOTONIC, &t);
+      started = t.tv_sec * 1e9 + t.tv_nsec;
+      for (long i = 0; i < n; i++) {
+        atomic_store(&handoff_flag, 2 * i + 1);
+        while (atomic_load(&handoff_flag) != 2 * i + 2) {}
+      }
+      clock_gettime(CLOCK_MONOTONIC, &t);
+      finished = t.tv_sec * 1e9 + t.tv_nsec;
+    } else if (team == 2) {
+      for (long i = 0; i < n; i++) {
+        while (atomic_load(&handoff_flag) != 2 * i + 1) {}
+        atomic_store(&handoff_flag, 2 * i + 2);
+      }
+    }
+  }
+  return team == 2 && n > 0 ? (finished - started) / n / 2 : -1;
 }

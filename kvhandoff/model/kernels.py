@@ -66,6 +66,7 @@ _SIGNATURES = {
     "decode_layer": [_P, _P, _P, _P],
     "embed_rows": [_P, _L, _L, _L, _P, _L, _P],
     "argmax_rows": [_P, _L, _L, _L, _P],
+    "core_handoff_ns": [_L],
 }
 _OPTIONAL = {"gemm_bf16_vnni"}           # built only where the CPU has bf16 dot products
 
@@ -130,6 +131,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         if name not in _OPTIONAL or hasattr(lib, name):
             getattr(lib, name).argtypes = argtypes
     lib.bf16_vnni_elements.restype = lib.decode_layer.restype = lib.embed_rows.restype = _L
+    lib.core_handoff_ns.restype = ctypes.c_double
     return lib, "on (gcc -march=native)"
 
 
@@ -480,3 +482,13 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out.tolist()
+
+
+def core_handoff_ns(handoffs: int = 2000) -> float | None:
+    """How long a cache line takes from one of two threads to the other, ns one way (see
+    core_handoff_ns in cpu_kernels.c); None without the kernels or a second core."""
+    lib = _load()[0]
+    if lib is None or (os.cpu_count() or 1) < 2:
+        return None
+    ns = lib.core_handoff_ns(handoffs)
+    return None if ns < 0 else ns
