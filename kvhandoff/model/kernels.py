@@ -381,9 +381,10 @@ class FusedDecode:
         self.biases: list[torch.Tensor] = []          # fp32 copies the structs point at
         # bf16 weights packed for gemm_bf16_vnni (by id of their nn.Linear), once, at load, in one region;
         # gate_up with its gate and up panels interleaved (decode_layer computes SiLU pair by pair), so
-        # only where the intermediate width is whole panels
+        # only where the intermediate width is whole panels and there is no bias (added in torch's order)
         assert first.gate_up.out_features == 2 * self.intermediate and first.o.in_features == heads * head_dim
-        gate_ups = {id(layer.gate_up) for layer in layers} if self.intermediate % PANEL == 0 else set()
+        gate_ups = {id(layer.gate_up) for layer in layers if layer.gate_up.bias is None} \
+            if self.intermediate % PANEL == 0 else set()
         native = [linear for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
                   if not isinstance(linear, PackedLinear) and linear.weight.dtype == torch.bfloat16
                   and native_bf16(linear.in_features) and (linear is not layer.gate_up or id(linear) in gate_ups)]
