@@ -849,13 +849,15 @@ void paged_attention(const float* q, float* out, long rows, long heads, long kv_
    step of a 30-layer model runs about forty of them per layer ------------------------------------ */
 
 /* out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps); with delta, first x[r] += delta[r] (residual). */
-/* Row loops of decode_layer share threads only for a prompt's many rows: at a decode step's few,
-   starting them costs more than the loop. Except the two with real work per row, RoPE with the K/V
-   store (~1 us a row; not its bf16 conversions, which 8 at a time changed nothing) and SiLU (the
-   intermediate width): from 4 rows they share (16 SmolLM2 sequences on two threads, whole steps
-   alternated in one process: 0.978-0.982x; 4 sequences 0.988x; 2026-12-05). */
-#define PAR_ROWS 32
-#define PAR_WORK_ROWS 4
+/* Row loops of decode_layer share threads from 4 rows. RoPE with the K/V store (~1 us a row; not its
+   bf16 conversions, which 8 at a time changed nothing) and SiLU (the intermediate width) have real
+   work per row (16 SmolLM2 sequences on two threads, whole steps alternated in one process:
+   0.978-0.982x; 4 sequences 0.988x). The norms and the residual add have little, but what they
+   read is half the other thread's (each linear's output columns), and across two CCDs each line of
+   it waits ~170 ns for its core: shared by rows, the two threads wait side by side (0.973-0.989x
+   across CCDs, 0.995-0.998x on one CCX, 4 sequences 0.996-1.002x; 2026-12-05). At 1-3 rows
+   starting a team costs more than the loop. */
+#define PAR_ROWS 4
 
 static void rms_norm_rows(float* x, const float* delta, long rows, long dim, long ldx, long ld_delta,
                           const float* weight, float eps, float* out, int threads) {
@@ -886,7 +888,7 @@ static void rope_store(float* qkv, long T, long ld, long heads, long kv_heads, l
                        long block_stride, long block_size, const int64_t* slot_block, const int64_t* slot_offset,
                        float q_scale, int threads) {
   long half = D / 2;
-  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_WORK_ROWS)
+  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long t = 0; t < T; t++) {
     float* row = qkv + t * ld;
     const float* c = cos + (positions ? positions[t] : t) * half;
@@ -1047,7 +1049,7 @@ static void mlp_activation(const float* h, long T, long H, const struct packed* 
 #endif
   linear(h, T, H, H, w, gu, threads, side);
   int paired = w->vnni != 0;
-  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_WORK_ROWS)
+  #pragma omp parallel for schedule(static) num_threads(threads) if(T >= PAR_ROWS)
   for (long r = 0; r < T; r++) {
     const float* g = gu + r * w->cols;
     long i = 0;
