@@ -346,7 +346,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                               prefill_policy=args.prefill_policy, disagg_min_tokens=args.disagg_min_tokens,
                               late_binding=args.late_binding, migration_limit=args.migration_limit,
                               forget_joined_after_s=args.forget_joined_after_s,
-                              shared_sessions=args.shared_sessions)
+                              shared_sessions=args.shared_sessions, engine=args.engine,
+                              retention_ttl=args.retention_ttl)
     except ValueError as e:
         raise SystemExit(f"kvhandoff router: {e}")
     app = build_router_app(config)
@@ -655,6 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-turn reuse: remember where each conversation's KV is kept (X-Session-Id header, "
                         "session_id field, or prompt block-hash match) and have the next turn's prefill read it "
                         "back; the workers need --bidirectional too")
+    p.add_argument("--engine", choices=[e.value for e in modes.Engine], default=modes.Engine.KVHANDOFF.value,
+                   help="what the workers are: kvhandoff workers, or vLLM OpenAI servers with a NIXL connector "
+                        "(NixlConnector for pull, NixlPushConnector for push; docs/VLLM.md) (default: %(default)s)")
+    p.add_argument("--retention-ttl", type=float, default=480.0, metavar="S",
+                   help="--engine vllm with --bidirectional: how long the decode workers keep a turn's KV (their "
+                        "decoder_kv_blocks_ttl) (default: %(default)s)")
     g = p.add_argument_group("more than one router (docs/DEPLOY.md)")
     g.add_argument("--shared-sessions", action="store_true",
                    help="with --bidirectional, when other routers serve the same workers: ask the decode workers "

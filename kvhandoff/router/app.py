@@ -30,12 +30,13 @@ from kvhandoff.router.relay import relay_events
 from kvhandoff.router.retry import retry_elsewhere
 from kvhandoff.router.sessions import Sessions
 from kvhandoff.router.upstream import Upstream, UpstreamError
+from kvhandoff.router.vllm import VllmAttempt, VllmSessions, VllmState
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.auth import control_headers
 from kvhandoff.wire.http import (CHAT, COMPLETIONS, CONTENT_TYPE, LATENCY_BUCKETS, SSEResponse, read_json_object,
                                   wait_disconnect)
-from kvhandoff.wire.modes import Mode
+from kvhandoff.wire.modes import VLLM_MODES, Engine, Mode
 
 log = logging.getLogger("kvhandoff.router")
 SESSION_HEADER = "x-session-id"
@@ -76,9 +77,14 @@ class RouterConfig:
     # A worker that joined by itself (`serve --join`) and has not answered a health poll for this long
     # died without leaving: it is drained from the pool (it joins again if it comes back).
     forget_joined_after_s: float = 30.0
+    # What the workers are (router/vllm.py for vLLM's), and how long vLLM decode workers keep a turn's KV
+    # (their decoder_kv_blocks_ttl; bidirectional).
+    engine: Engine = Engine.KVHANDOFF
+    retention_ttl: float = 480.0
 
     def __post_init__(self):
         self.mode = Mode.parse(self.mode) if not isinstance(self.mode, Mode) else self.mode
+        self.engine = Engine(self.engine)
         self.decode_policy, self.prefill_policy = DecodePolicy(self.decode_policy), PrefillPolicy(self.prefill_policy)
         assert self.prefill_urls and self.decode_urls, "the router needs a prefill and a decode worker"
         assert self.secret, "the router needs the deployment secret to talk to its workers"
@@ -91,6 +97,22 @@ class RouterConfig:
         if self.late_binding and self.mode.is_pull:
             raise ValueError(f"--late-binding is for the push modes; {self.mode} picks the decode worker "
                              "after the prefill already")
+        if self.engine is Engine.VLLM:
+            self.check_vllm()
+
+    def check_vllm(self) -> None:
+        """What a vLLM 0.32 fleet can do under this router; the rest is refused with what to use."""
+        if self.mode.value not in VLLM_MODES:
+            raise ValueError(f"--engine vllm: vLLM's NIXL connectors do {' and '.join(VLLM_MODES)}, not {self.mode}")
+        if self.bidirectional and not self.mode.is_pull:
+            raise ValueError("--engine vllm: vLLM 0.32's bidirectional KV transfer is for pull (NixlConnector) "
+                             "only; its NixlPushConnector refuses it")
+        refused = [flag for flag, on in (("--late-binding", self.late_binding), ("--shared-sessions", self.shared_sessions),
+                                         ("--prefill-policy cache-aware", self.prefill_policy is PrefillPolicy.CACHE),
+                                         ("--disagg-min-tokens", bool(self.disagg_min_tokens))) if on]
+        if refused:
+            raise ValueError(f"--engine vllm does not support {', '.join(refused)} (they need our workers' "
+                             "control endpoints)")
 
 
 class RouterMetrics:
@@ -155,7 +177,11 @@ class Router:
         self.upstream: Upstream | None = None           # HTTP to the workers (upstream.py)
         self.background: set[asyncio.Task] = set()   # health polls, control messages, stream cleanups
         self.num_in_flight = 0                        # client requests not finished yet
-        self.sessions = Sessions(self)
+        if config.engine is Engine.VLLM:
+            self.attempt_class, self.vllm = VllmAttempt, VllmState()
+            self.sessions = VllmSessions(self, config.retention_ttl)
+        else:
+            self.attempt_class, self.sessions = Attempt, Sessions(self)
 
     async def start(self) -> None:
         # No read timeout: a long prefill or a long generation is not a failure; the request deadline
@@ -198,7 +224,7 @@ class Router:
     async def handle(self, request: Request, endpoint: str) -> Response:
         loop = asyncio.get_running_loop()
         arrival = request.scope.get("arrival") or time.perf_counter()
-        attempt = Attempt(self, endpoint, False, arrival, loop.time() + self.config.request_timeout)
+        attempt = self.attempt_class(self, endpoint, False, arrival, loop.time() + self.config.request_timeout)
         self.num_in_flight += 1                       # finish() takes it back, once per request
         try:
             attempt.body = await read_client_body(request)
@@ -240,8 +266,9 @@ class Router:
                 data = await attempt.read_json(attempt.decode, await attempt.decode_task)
                 break
             except (Relay, P.APIError) as failure:
+                failure = attempt.blame(failure)
                 if not await retry_elsewhere(attempt, failure):
-                    raise
+                    raise failure
         attempt.phase = Phase.DRAINED
         attempt.open_legs.discard("decode")
         if attempt.retried:

@@ -101,6 +101,10 @@ class Attempt:
     created: int = field(default_factory=P.now)   # every chunk's `created`, whichever worker makes it
     migrations: list[dict] = field(default_factory=list)   # decode workers the stream moved away from, and why
     first_from_prefill: bool = False              # the client's first token came from the prefill's answer
+    # A failure that ended the decode leg from outside (vLLM push: the prefill failed, its decode leg
+    # was closed): what a retry names instead of the closed connection.
+    cause: BaseException | None = None
+    continuation: tuple[int, int] | None = None   # a migration's (tokens sent, characters): events() reshapes
 
     @property
     def config(self):
@@ -338,13 +342,28 @@ class Attempt:
             body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
         return {**body, "kv_transfer_params": M.params(self.handoff_id, self.mode, role, **extra)}
 
-    async def post(self, worker: Worker, body: dict) -> Answer:
+    def headers(self) -> dict | None:
+        """Headers of every leg's request beyond the router's own (an engine's request id)."""
+        return None
+
+    def events(self, resp: Answer):
+        """A decode answer's SSE events, each as its lines (the relay reads them)."""
+        from kvhandoff.router.relay import sse_events
+        return sse_events(resp)
+
+    def blame(self, failure: BaseException) -> BaseException:
+        """The failure a retry names: the one that closed the decode leg from outside, if any."""
+        cause, self.cause = self.cause, None
+        return cause or failure
+
+    async def post(self, worker: Worker, body: dict, endpoint: str | None = None) -> Answer:
         """POST and return the open 200 answer (body unread); any other answer raises Relay/APIError."""
         if self.router_ms is None:
             self.router_ms = self.ms()
         self.open_legs.add(worker.role)
         try:
-            resp = await self.router.upstream.open("POST", worker.url + self.endpoint, body)
+            resp = await self.router.upstream.open("POST", worker.url + (endpoint or self.endpoint), body,
+                                                   headers=self.headers())
         except UpstreamError as e:
             if isinstance(e, Unreachable):
                 self.open_legs.discard(worker.role)        # it never saw the request

@@ -109,7 +109,7 @@ class Follow:
                     return
                 except (UpstreamError, *FAILURES) as exc:
                     failure = worker_failure(attempt.decode, exc) if isinstance(exc, UpstreamError) else exc
-                    failure = await self.recover(failure)
+                    failure = await self.recover(attempt.blame(failure))
                     if failure is None:
                         continue
                     attempt.status = str(getattr(failure, "status", 502))
@@ -141,7 +141,7 @@ class Follow:
         attempt = self.attempt
         while not self.first_done:
             if self.events is None and attempt.decode_task.done():
-                self.events = sse_events(attempt.decode_task.result())      # (raises what failed it)
+                self.events = attempt.events(attempt.decode_task.result())      # (raises what failed it)
             if self.events is not None and self.pending is None:
                 self.pending = asyncio.ensure_future(anext(self.events, None))
             await asyncio.wait({attempt.first_token, self.pending or attempt.decode_task},
@@ -153,7 +153,7 @@ class Follow:
             elif self.pending is not None and self.pending.done():
                 break
         if self.events is None:
-            self.events = sse_events(await attempt.decode_task)
+            self.events = attempt.events(await attempt.decode_task)
         if self.pending is not None:
             pending, self.pending = self.pending, None
             lines = await pending
@@ -303,7 +303,7 @@ class Follow:
                 failure = worker_failure(target, exc) if isinstance(exc, UpstreamError) else exc
                 continue
             self.reset(first_done=True)
-            self.events = sse_events(resp)
+            self.events = attempt.events(resp)
             return None
         return failure
 

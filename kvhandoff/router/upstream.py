@@ -75,12 +75,13 @@ class Upstream:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout), read_bufsize=READ_BUFFER,
             max_line_size=READ_BUFFER, max_field_size=READ_BUFFER)
 
-    async def open(self, method: str, url: str, body: dict | None = None, timeout: float | None = None) -> Answer:
+    async def open(self, method: str, url: str, body: dict | None = None, timeout: float | None = None,
+                   headers: dict | None = None) -> Answer:
         """Send a request; returns its answer with the status line read. No read timeout unless
         given: a long prefill or generation is not a failure (the router's deadline bounds them)."""
         options: dict = {}
         if body is not None:
-            options.update(data=msgspec.json.encode(body), headers={"content-type": "application/json"})
+            options.update(data=msgspec.json.encode(body), headers={"content-type": "application/json", **(headers or {})})
         if timeout is not None:
             options["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.session.timeout.sock_connect)
         try:

@@ -60,6 +60,17 @@ class Role(StrEnum):
 ROLES = tuple(r.value for r in Role)
 
 
+class Engine(StrEnum):
+    """The kind of worker a router drives (`--engine`): ours, or vLLM OpenAI servers with a NIXL
+    connector (router/vllm.py; wire/vllm.py)."""
+    KVHANDOFF = "kvhandoff"
+    VLLM = "vllm"
+
+
+# The handoff modes a vLLM 0.32 fleet has: its NixlConnector (pull) and NixlPushConnector (push).
+VLLM_MODES = (Mode.PULL.value, Mode.PUSH.value)
+
+
 class FailurePolicy(StrEnum):
     """What a decode worker does when a request's KV cannot be loaded (`--kv-load-failure-policy`)."""
     RECOMPUTE = "recompute"     # compute the prompt itself: slower, never wrong
