@@ -415,6 +415,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         os.environ[API_KEY_ENV] = args.api_key
     key_args = [] if args.api_key_open_paths == OPEN_PATHS else ["--api-key-open-paths", args.api_key_open_paths]
     worker_args = engine_argv(args) + args.extra + (["--bidirectional"] if args.bidirectional else []) + key_args
+    if args.retention_ttl is not None and args.engine != modes.Engine.VLLM:
+        worker_args += ["--retention-ttl", str(args.retention_ttl)]
+    vllm = None
+    if args.engine == modes.Engine.VLLM:
+        vllm = vllm_launch(args)
+    elif args.vllm_python or args.vllm_args:
+        raise SystemExit("kvhandoff up: --vllm-python and --vllm-args are for --engine vllm")
     if args.extra:
         print(f"kvhandoff up: passing {' '.join(args.extra)} to every worker", flush=True)
     try:
@@ -432,9 +439,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                            host=args.host, port=args.port, threads=args.threads, cores=args.cores,
                            log_level=args.log_level, startup_timeout=args.startup_timeout,
                            max_restarts=args.max_restarts, child_args=parse_child_args(args.worker_args),
-                           link=link)
+                           link=link, vllm=vllm)
     except ValueError as e:
         raise SystemExit(f"kvhandoff up: {e}") from None
+    if vllm is not None and args.ray is not None:
+        raise SystemExit("kvhandoff up: --engine vllm runs on this machine; --ray places our own workers")
     if args.ray is None:
         if args.prefill_resources or args.decode_resources:
             raise SystemExit("kvhandoff up: --prefill-resources and --decode-resources are for --ray")
@@ -450,6 +459,30 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvhandoff up: {e}") from None
     return ray_fleet.run(cfg, rcfg)
+
+
+def vllm_launch(args: argparse.Namespace):
+    """`up --engine vllm`: what to start vLLM with, checked (its interpreter, vLLM and NIXL in it, the mode,
+    the model) before anything starts; a message, not a traceback, for what is wrong."""
+    from kvhandoff.launch.vllm import VllmLaunch
+    if not args.vllm_python:
+        raise SystemExit("kvhandoff up --engine vllm: needs --vllm-python, the interpreter vLLM is installed in "
+                         "(docs/VLLM.md)")
+    if args.extra:
+        raise SystemExit(f"kvhandoff up --engine vllm: {' '.join(args.extra)} would go to our workers; give vLLM's "
+                         "servers their flags with --vllm-args")
+    for flag, on in (("--late-binding", args.late_binding), ("--prefill-policy cache-aware", args.prefill_policy == "cache-aware"),
+                     ("--disagg-min-tokens", bool(args.disagg_min_tokens))):
+        if on:
+            raise SystemExit(f"kvhandoff up --engine vllm: {flag} needs our workers' control endpoints")
+    launch = VllmLaunch(args.vllm_python, args.model, bidirectional=args.bidirectional,
+                        retention_ttl=480.0 if args.retention_ttl is None else args.retention_ttl, dtype=args.dtype,
+                        args=shlex.split(args.vllm_args))
+    try:
+        launch.prepare(args.mode)
+    except ValueError as e:
+        raise SystemExit(f"kvhandoff up --engine vllm: {e}") from None
+    return launch
 
 
 def parse_child_args(specs: list[str]) -> dict[str, list[str]]:
@@ -705,6 +738,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "network namespace, a veth pair shaped each way by tc (netem; a token bucket, rate only, "
                         "where the kernel has no netem), KV over tcp; removed when the stack stops (needs root "
                         "and iproute2)")
+    g = p.add_argument_group("vLLM workers (docs/VLLM.md)")
+    g.add_argument("--engine", choices=[e.value for e in modes.Engine], default=modes.Engine.KVHANDOFF.value,
+                   help="kvhandoff: our workers; vllm: vLLM OpenAI servers (pull: NixlConnector, with "
+                        "bidirectional_kv_xfer under --bidirectional; push: NixlPushConnector; colocated: one "
+                        "server) behind our router (default: %(default)s)")
+    g.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="--engine vllm: the Python interpreter vLLM (and NIXL) is installed in, e.g. V/bin/python")
+    g.add_argument("--retention-ttl", type=float, default=None, metavar="S",
+                   help="with --bidirectional: seconds the decode workers keep a finished turn's KV (vLLM's "
+                        "decoder_kv_blocks_ttl; ours, --retention-ttl) (default: 480)")
+    g.add_argument("--vllm-args", default="", metavar="FLAGS",
+                   help="--engine vllm: more flags for every vLLM server, e.g. \"--enforce-eager\"")
     g = p.add_argument_group("on a Ray cluster (docs/DEPLOY.md; needs: pip install 'kvhandoff[ray]')")
     g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                    help="place the workers on a Ray cluster: ADDRESS is the head's HOST:PORT; without one (or "

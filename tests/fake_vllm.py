@@ -286,9 +286,10 @@ def build(args) -> FastAPI:
     return app
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--model", default="fake")
     p.add_argument("--connector", choices=["pull", "push", "none"], default="pull")
     p.add_argument("--bidirectional", action="store_true")
@@ -299,8 +300,8 @@ def main() -> None:
     p.add_argument("--lease", type=float, default=30.0)
     p.add_argument("--registration-timeout", type=float, default=10.0)
     p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
-    args = p.parse_args()
-    uvicorn.run(build(args), host="127.0.0.1", port=args.port, log_level="warning")
+    args = p.parse_args(argv)
+    uvicorn.run(build(args), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

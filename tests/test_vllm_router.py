@@ -5,6 +5,7 @@ tests/test_vllm_real.py (not in CI: see its docstring for the one command)."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -361,3 +362,62 @@ def test_what_vllm_workers_cannot_do_is_refused_at_start(tmp_path):
                             "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", *args],
                            capture_output=True, text=True, env={**os.environ, "KVHANDOFF_SECRET": SECRET}, timeout=60)
         assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# kvhandoff up --engine vllm (tests/fake_vllm_pkg stands in for the vllm and nixl packages)
+
+FAKE_PKG = str(HERE / "fake_vllm_pkg")
+
+
+def up_vllm(tmp: Path, *args: str, fake_pkg: bool = True) -> subprocess.CompletedProcess | Proc:
+    from test_router import UP_READY
+    env = {"KVHANDOFF_SECRET": SECRET, "PYTHONPATH": FAKE_PKG if fake_pkg else ""}
+    return Proc(["up", "--engine", "vllm", "--vllm-python", sys.executable, "--model", "tiny", "--port", "0",
+                 "--health-interval", "0.2", *args], tmp / "up.log", UP_READY, timeout=120, env=env)
+
+
+def test_up_runs_a_vllm_fleet_and_restarts_a_dead_worker(tmp_path, colocated):
+    """`up --engine vllm`: vLLM servers with the connector the mode needs (bidirectional pull here),
+    on ports and side-channel ports of their own, behind our router; a killed decode worker is
+    restarted while the other serves."""
+    from test_router import UP_STARTED
+    stack = up_vllm(tmp_path, "--mode", "pull", "--bidirectional", "--prefill", "1", "--decode", "2")
+    try:
+        assert stack.match["name"] == "tiny"
+        started = {m["name"]: int(m["pid"]) for m in UP_STARTED.finditer(stack.text())}
+        commands = {name: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for name, pid in started.items()
+                    if name != "router"}
+        for name, cmd in commands.items():
+            config = json.loads(cmd[cmd.index(b"--kv-transfer-config") + 1])
+            assert config["kv_connector"] == "NixlConnector"
+            assert config["kv_role"] == ("kv_producer" if name.startswith("prefill") else "kv_consumer")
+            assert config["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 480}
+            assert config["kv_load_failure_policy"] == "recompute"
+        sides = {Path(f"/proc/{pid}/environ").read_bytes().split(b"VLLM_NIXL_SIDE_CHANNEL_PORT=")[1].split(b"\0")[0]
+                 for name, pid in started.items() if name != "router"}
+        assert len(sides) == 3                  # one side channel each
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about Rome, and at length."}],
+                "max_tokens": 24, "temperature": 0}
+        answers = [completion(stack.url, "chat", {**body, "stream": stream}) for stream in (False, True)]
+        assert answers[0][0] == answers[1][0]
+        os.kill(started["decode-0"], signal.SIGKILL)
+        for _ in range(4):                      # the other decode worker serves meanwhile
+            assert completion(stack.url, "chat", body)[0] == answers[0][0]
+        stack.wait_for(re.compile(r"restarted decode-0"), 30)
+        stack.wait_for(re.compile(r"decode-0 .* is serving again"), 60)
+    finally:
+        stack.stop()
+
+
+def test_up_says_what_is_missing_or_wrong(tmp_path):
+    cases = ((["--mode", "pull"], False, "lacks vllm"),
+             (["--mode", "push-layerwise"], True, "not push-layerwise"),
+             (["--mode", "push", "--bidirectional"], True, "pull only"),
+             (["--mode", "pull", "--late-binding"], True, "--late-binding"))
+    for args, fake_pkg, said in cases:
+        env = {**os.environ, "KVHANDOFF_SECRET": SECRET, "PYTHONPATH": FAKE_PKG if fake_pkg else ""}
+        r = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "up", "--engine", "vllm", "--vllm-python",
+                            sys.executable, "--model", "tiny", "--port", "0", *args],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode != 0 and said in r.stderr + r.stdout and "Traceback" not in r.stderr, (args, r.stderr)

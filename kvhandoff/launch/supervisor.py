@@ -50,6 +50,7 @@ import httpx
 
 from kvhandoff.launch.lifeline import child_env
 from kvhandoff.launch.netlink import EmulatedLink, LinkError, LinkSpec
+from kvhandoff.launch.vllm import VllmLaunch
 from kvhandoff.wire.auth import SECRET_ENV, control_headers
 from kvhandoff.wire.modes import COLOCATED, STACK_MODES
 
@@ -77,6 +78,7 @@ class LaunchConfig:
     restart_window: float = 300.0
     child_args: dict[str, list[str]] = field(default_factory=dict)  # flags for one child: {"decode-1": [...]}
     link: LinkSpec | None = None     # decode workers behind an emulated link (netlink.py)
+    vllm: VllmLaunch | None = None   # the workers are vLLM servers (launch/vllm.py), not ours
 
     def __post_init__(self):
         assert self.mode in STACK_MODES, f"mode must be one of {STACK_MODES}"
@@ -92,6 +94,8 @@ class LaunchConfig:
                              f"{', '.join(names)}")
         if self.link is not None and self.mode == COLOCATED:
             raise ValueError("--link puts a link between prefill and decode workers; colocated has none")
+        if self.vllm is not None and self.link is not None:
+            raise ValueError("--link is for our own workers (KV over our tcp backend); --engine vllm moves KV with NIXL")
         if self.max_restarts < 0 or self.restart_window <= 0:
             raise ValueError("--max-restarts must be >= 0 and the restart window > 0")
         if self.cores is not None:
@@ -119,6 +123,7 @@ class Child:
     deaths: list[float] = field(default_factory=list)   # monotonic times it died, within the window
     restart_at: float | None = None  # dead, to be started again then
     given_up: bool = False
+    env: dict[str, str] = field(default_factory=dict)   # its own, beside the stack's (vLLM's side channel)
 
     @property
     def role(self) -> str:
@@ -220,6 +225,8 @@ def plan(cfg: LaunchConfig, link: EmulatedLink | None = None) -> list[Child]:
     port = cfg.port or free_port(cfg.host)
     host_in_url = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     common = ["--log-level", cfg.log_level]
+    if cfg.vllm is not None:
+        return plan_vllm(cfg, cores, port)
     if cfg.mode == COLOCATED:
         threads = cfg.threads or len(cores)
         return [Child("worker", kvhandoff_cmd("serve", "--host", cfg.host, "--port", str(port), *common,
@@ -250,6 +257,25 @@ def plan(cfg: LaunchConfig, link: EmulatedLink | None = None) -> list[Child]:
     return children + router_children(cfg, urls("prefill"), urls("decode"), port)
 
 
+def plan_vllm(cfg: LaunchConfig, cores: list[int], port: int) -> list[Child]:
+    """The same stack with vLLM servers as its workers (launch/vllm.py), each on its share of the cores."""
+    vllm = cfg.vllm
+    host_in_url = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    if cfg.mode == COLOCATED:
+        return [Child("worker", vllm.command("worker", cfg.mode, cfg.host, port) + cfg.child_args.get("worker", []),
+                      f"http://{host_in_url}:{port}", cores, env=vllm.env(cores, None))]
+    names = worker_names(cfg)
+    shares = core_shares(cores, len(names))
+    children = []
+    for i, name in enumerate(names):
+        share = shares[i] if shares else None
+        role, wport = name.split("-")[0], free_port()
+        cmd = vllm.command(role, cfg.mode, "127.0.0.1", wport) + cfg.child_args.get(name, [])
+        children.append(Child(name, cmd, f"http://127.0.0.1:{wport}", share, env=vllm.env(share, free_port())))
+    urls = lambda role: [c.url for c in children if c.name.startswith(role)]
+    return children + router_children(cfg, urls("prefill"), urls("decode"), port)
+
+
 def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[str], port: int) -> list[Child]:
     """The router (on the front port), or several: each on a port of its own (the supervisor's health
     checks, an operator's look at one router) and on the shared front port; sessions are then found
@@ -257,9 +283,13 @@ def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: lis
     host_in_url = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     router = ["router", "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls), "--mode", cfg.mode,
               "--host", cfg.host, "--log-level", cfg.log_level, *cfg.router_args]
+    if cfg.vllm is not None:
+        router += ["--engine", "vllm", "--retention-ttl", str(cfg.vllm.retention_ttl)]
     if cfg.num_routers == 1:
         return [Child("router", kvhandoff_cmd(*router, "--port", str(port)), f"http://{host_in_url}:{port}")]
-    shared = ["--front-port", str(port)] + (["--shared-sessions"] if "--bidirectional" in cfg.router_args else [])
+    # (vLLM workers keep no session index to ask: each router has its own map then)
+    shared = ["--front-port", str(port)] + (["--shared-sessions"] if "--bidirectional" in cfg.router_args
+                                            and cfg.vllm is None else [])
     children = []
     for i in range(cfg.num_routers):
         rport = free_port(cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1")
@@ -278,7 +308,7 @@ def front_url(cfg: LaunchConfig, children: list[Child]) -> str:
 
 def spawn(child: Child, env: dict[str, str]) -> None:
     """Start (or start again) one child, with a thread that forwards its output."""
-    child.proc = subprocess.Popen(child.cmd, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    child.proc = subprocess.Popen(child.cmd, env=child_env({**env, **child.env}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)   # Ctrl-C is ours to pass on
     if child.cores:
         # Right after spawn, long before the child imports torch, so every thread it makes inherits it.
