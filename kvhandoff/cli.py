@@ -420,8 +420,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     vllm = None
     if args.engine == modes.Engine.VLLM:
         vllm = vllm_launch(args)
-    elif args.vllm_python or args.vllm_args:
-        raise SystemExit("kvhandoff up: --vllm-python and --vllm-args are for --engine vllm")
+    elif args.vllm_python or args.vllm_args or args.vllm_stock:
+        raise SystemExit("kvhandoff up: --vllm-python, --vllm-args and --vllm-stock are for --engine vllm")
     if args.extra:
         print(f"kvhandoff up: passing {' '.join(args.extra)} to every worker", flush=True)
     try:
@@ -477,7 +477,7 @@ def vllm_launch(args: argparse.Namespace):
             raise SystemExit(f"kvhandoff up --engine vllm: {flag} needs our workers' control endpoints")
     launch = VllmLaunch(args.vllm_python, args.model, bidirectional=args.bidirectional,
                         retention_ttl=480.0 if args.retention_ttl is None else args.retention_ttl, dtype=args.dtype,
-                        args=shlex.split(args.vllm_args))
+                        args=shlex.split(args.vllm_args), stock=args.vllm_stock, placement=args.vllm_placement)
     try:
         launch.prepare(args.mode)
     except ValueError as e:
@@ -748,6 +748,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--retention-ttl", type=float, default=None, metavar="S",
                    help="with --bidirectional: seconds the decode workers keep a finished turn's KV (vLLM's "
                         "decoder_kv_blocks_ttl; ours, --retention-ttl) (default: 480)")
+    g.add_argument("--vllm-placement", choices=["vllm", "pin", "pin+idle"], default="pin",
+                   help="--engine vllm: where each ready server's threads run: as vLLM leaves them (its NIXL "
+                        "connector moves every worker's compute to the machine's last core), back on the worker's "
+                        "own cores, or that and the threads that spin while idle (NIXL's progress thread) at "
+                        "SCHED_IDLE (docs/VLLM.md has what each costs) (default: %(default)s)")
+    g.add_argument("--vllm-stock", action="store_true",
+                   help="--engine vllm --bidirectional: run vLLM unpatched (a streamed turn then says nothing "
+                        "of where its KV is kept, and is not reused)")
     g.add_argument("--vllm-args", default="", metavar="FLAGS",
                    help="--engine vllm: more flags for every vLLM server, e.g. \"--enforce-eager\"")
     g = p.add_argument_group("on a Ray cluster (docs/DEPLOY.md; needs: pip install 'kvhandoff[ray]')")

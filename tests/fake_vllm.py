@@ -274,7 +274,10 @@ def build(args) -> FastAPI:
                 yield f"data: {json.dumps({**head, 'object': obj, 'choices': [choice], **fingerprint}, separators=(',', ':'))}\n\n"
                 if i == 0 or i < max_tokens - 1:
                     await asyncio.sleep(args.step_ms / 1e3)
-            keep(output)                    # (stock vLLM keeps a streamed turn's KV but does not say where)
+            kept = keep(output)             # (stock vLLM keeps a streamed turn's KV but does not say where)
+            if kept is not None and args.stream_kv_params:      # (kvhandoff_vllm_stream: it does say)
+                chunk = {**head, "object": obj, "choices": [], "kv_transfer_params": kept}
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
                 usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(output),
                          "completion_tokens": len(output)}
@@ -299,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ttl", type=float, default=480.0)
     p.add_argument("--lease", type=float, default=30.0)
     p.add_argument("--registration-timeout", type=float, default=10.0)
+    p.add_argument("--stream-kv-params", action="store_true",
+                   help="end a stream with its kv_transfer_params, as kvhandoff_vllm_stream makes vLLM do")
     p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
     args = p.parse_args(argv)
     uvicorn.run(build(args), host=args.host, port=args.port, log_level="warning")

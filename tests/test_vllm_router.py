@@ -85,17 +85,17 @@ def colocated(tmp_path_factory):
     worker.stop()
 
 
-def completion(url: str, endpoint: str, body: dict, headers: dict | None = None) -> tuple[str, dict]:
+def completion(url: str, endpoint: str, body: dict, headers: dict | None = None, timeout: float = 30) -> tuple[str, dict]:
     """(text, final chunk or answer) of a streamed or whole answer."""
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     if not body.get("stream"):
-        r = httpx.post(url + path, json=body, headers=headers, timeout=30)
+        r = httpx.post(url + path, json=body, headers=headers, timeout=timeout)
         assert r.status_code == 200, r.text
         data = r.json()
         choice = data["choices"][0]
         return (choice["message"]["content"] if endpoint == "chat" else choice["text"]), data
     text, final = "", None
-    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=30) as r:
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -246,7 +246,7 @@ def test_client_token_ids_are_kept_when_asked(fleet, colocated):
 
 
 def conversation(router_url: str, turns: int, session: str | None, edit_at: int | None = None,
-                 after_turn=lambda turn, answer: None) -> list[dict]:
+                 after_turn=lambda turn, answer: None, stream: bool = False, model: str = MODEL) -> list[dict]:
     """A chat of `turns` turns, each answer sent back as the next turn's history; returns each turn's
     final answer. `edit_at`: that turn rewrites the first assistant answer (the history was edited);
     `after_turn(turn, answer)` runs between turns."""
@@ -256,8 +256,8 @@ def conversation(router_url: str, turns: int, session: str | None, edit_at: int 
     for turn in range(turns):
         if turn == edit_at:
             messages[1] = {"role": "assistant", "content": "(edited)"}
-        text, data = completion(router_url, "chat", {**body_for("chat", False, tokens=24), "messages": messages},
-                                headers)
+        text, data = completion(router_url, "chat", {**body_for("chat", stream, tokens=24), "messages": messages,
+                                                     "model": model}, headers)
         answers.append(data)
         after_turn(turn, data)
         messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": f"More, part {turn + 2}."}]
@@ -406,6 +406,11 @@ def test_up_runs_a_vllm_fleet_and_restarts_a_dead_worker(tmp_path, colocated):
             assert completion(stack.url, "chat", body)[0] == answers[0][0]
         stack.wait_for(re.compile(r"restarted decode-0"), 30)
         stack.wait_for(re.compile(r"decode-0 .* is serving again"), 60)
+        # Streamed turns are reused too: the servers run under kvhandoff_vllm_stream, whose streams end
+        # with where their KV is kept (stock vLLM's do not).
+        assert b"kvhandoff_vllm_stream" in commands["decode-1"][2]
+        handoffs = [a["handoff"] for a in conversation(stack.url, 3, "streamed", stream=True, model="tiny")]
+        assert handoffs[0]["reused_tokens"] == 0 and all(h["reused_tokens"] > 64 for h in handoffs[1:]), handoffs
     finally:
         stack.stop()
 

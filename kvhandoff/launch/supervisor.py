@@ -265,10 +265,12 @@ def plan_vllm(cfg: LaunchConfig, cores: list[int], port: int) -> list[Child]:
         return [Child("worker", vllm.command("worker", cfg.mode, cfg.host, port) + cfg.child_args.get("worker", []),
                       f"http://{host_in_url}:{port}", cores, env=vllm.env(cores, None))]
     names = worker_names(cfg)
-    shares = core_shares(cores, len(names))
+    # With fewer cores than workers they take turns (vLLM binds its compute threads to named cores: left
+    # unbound, its NIXL connector puts every worker's compute on the last core).
+    shares = core_shares(cores, len(names)) or [[cores[i % len(cores)]] for i in range(len(names))]
     children = []
     for i, name in enumerate(names):
-        share = shares[i] if shares else None
+        share = shares[i]
         role, wport = name.split("-")[0], free_port()
         cmd = vllm.command(role, cfg.mode, "127.0.0.1", wport) + cfg.child_args.get(name, [])
         children.append(Child(name, cmd, f"http://127.0.0.1:{wport}", share, env=vllm.env(share, free_port())))
@@ -405,6 +407,10 @@ def tend(children: list[Child], cfg: LaunchConfig, env: dict[str, str], client: 
             spawn(child, env)
             print(f"kvhandoff up: restarted {child.describe()}", flush=True)
     for child in poll_ready(children, client):
+        if cfg.vllm is not None and child.role != "router" and child.cores and cfg.vllm.placement != "vllm":
+            from kvhandoff.launch.vllm import place
+            said = place(child.proc.pid, child.cores, idle_spinners=cfg.vllm.placement == "pin+idle")
+            print(f"kvhandoff up: {child.name}: {said}", flush=True)
         if serving:
             print(f"kvhandoff up: {child.describe()} is serving again", flush=True)
 

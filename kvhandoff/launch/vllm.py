@@ -9,12 +9,18 @@ connector the mode needs on both sides, so that a mismatch cannot arise here: Ni
 `bidirectional_kv_xfer` with --bidirectional) or NixlPushConnector (push). A failed KV load is
 recomputed (`kv_load_failure_policy`), never an error: vLLM's default fails the request. Colocated is
 one vLLM server on the front port, no connector.
+
+With --bidirectional the servers run under vllm_site/kvhandoff_vllm_stream.py, which makes a streamed
+answer say where its KV is kept, as a non-streamed one does (stock vLLM does not: a streamed turn
+could not be reused). `stock=True` (--vllm-stock) runs them as they come.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvhandoff.wire.modes import COLOCATED, VLLM_MODES
 
@@ -33,6 +39,11 @@ class VllmLaunch:
     kv_cache_gib: int = 2                # VLLM_CPU_KVCACHE_SPACE
     max_model_len: int = 4096
     args: list[str] = field(default_factory=list)     # more flags for every vLLM server
+    stock: bool = False                  # no stream patch (vllm_site/), even with bidirectional
+    # Where a ready server's threads run (place()): "vllm" as vLLM leaves them (its NIXL connector moves
+    # every worker's compute to the last core), "pin" back on the worker's own cores, "pin+idle" and
+    # the threads that spin while idle (NIXL's progress thread) at SCHED_IDLE.
+    placement: str = "pin"
     served_name: str = ""                # set by prepare()
     model_dir: str = ""
 
@@ -66,12 +77,17 @@ class VllmLaunch:
             self.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
 
     def command(self, role: str, mode: str, host: str, port: int) -> list[str]:
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+        cmd = [self.python, "-m", "kvhandoff_vllm_stream" if self.patched else "vllm.entrypoints.openai.api_server",
+               "--model", self.model_dir,
                "--served-model-name", self.served_name, "--host", host, "--port", str(port), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len)]
         if role != "worker":
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config(role, mode))]
         return cmd + self.args
+
+    @property
+    def patched(self) -> bool:
+        return self.bidirectional and not self.stock
 
     def transfer_config(self, role: str, mode: str) -> dict:
         config = {"kv_connector": "NixlConnector" if mode == "pull" else "NixlPushConnector",
@@ -89,7 +105,12 @@ class VllmLaunch:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpuset(cores)
         if side_channel_port is not None:
             env.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_channel_port), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1")
+        if self.patched:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH", "")) if p)
         return env
+
+
+SITE = str(Path(__file__).with_name("vllm_site"))
 
 
 def cpuset(cores: list[int]) -> str:
@@ -103,3 +124,75 @@ def cpuset(cores: list[int]) -> str:
             start = None
     return ",".join(runs)
 
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (vLLM's API server starts an engine core, which starts a worker)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
+def threads(pids: list[int]) -> list[str]:
+    """Every thread of these processes, as its /proc/PID/task/TID path."""
+    tasks = []
+    for pid in pids:
+        try:
+            tasks += [f"/proc/{pid}/task/{t}" for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+    return tasks
+
+
+def cpu_ticks(task: str) -> int:
+    """A thread's own user + system time (/proc/TID/stat would give its whole process's)."""
+    try:
+        with open(f"{task}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def place(pid: int, cores: list[int], idle_spinners: bool, sample_s: float = 1.0) -> str:
+    """Put every thread of a ready vLLM server (and its engine processes) back on its own cores: vLLM's
+    NIXL connector moves each worker's main thread to the last core of its NUMA node ("reserved for KV
+    transfer"), which on a small machine puts every prefill's and decode's compute on one core.
+    `idle_spinners`: the threads that spin while the server is idle (NIXL's progress thread) run at
+    SCHED_IDLE, so they take only what the compute leaves. Returns what was done, for the log."""
+    tasks = threads(process_tree(pid))
+    tids = [int(task.rsplit("/", 1)[1]) for task in tasks]
+    moved = 0
+    for tid in tids:
+        try:
+            if os.sched_getaffinity(tid) != set(cores):
+                os.sched_setaffinity(tid, cores)
+                moved += 1
+        except OSError:
+            continue
+    said = f"{moved} of {len(tids)} threads moved back to core{'s' if len(cores) > 1 else ''} {cpuset(cores)}"
+    if not idle_spinners:
+        return said
+    import time
+    before = {task: cpu_ticks(task) for task in tasks}
+    time.sleep(sample_s)
+    ticks = os.sysconf("SC_CLK_TCK") * sample_s
+    spinners = [int(task.rsplit("/", 1)[1]) for task in tasks if cpu_ticks(task) - before[task] > 0.5 * ticks]
+    for tid in spinners:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            continue
+    return said + f"; {len(spinners)} idle-spinning thread{'s' if len(spinners) != 1 else ''} set to SCHED_IDLE"

@@ -19,8 +19,10 @@ What differs from our own workers, and how it is bridged here:
 - Bidirectional (pull): the decode worker's non-streamed answer names the blocks it keeps; the router
   keeps them per conversation (`VllmSessions`) and gives them to the next turn's prefill leg, only
   when its prompt's tokens (vLLM's /tokenize) begin with the kept ones: vLLM reads them unchecked.
-  Stock vLLM returns them only in non-streamed answers, so a streamed turn is not kept (the last
-  non-streamed one of the conversation still is). The map is this router's own: not shared.
+  Stock vLLM returns them only in non-streamed answers; `up --engine vllm --bidirectional` runs its
+  servers with a patch (launch/vllm_site/) that ends a stream with them too, in a chunk of its own
+  that the relay takes and does not pass on. Against stock servers a streamed turn is not kept (the
+  last non-streamed one of the conversation still is). The map is this router's own: not shared.
 - Control messages (/kv/cancel, /kv/release, ...) have no vLLM counterpart: a closed connection
   aborts a request there, and a pull prefill's pinned blocks wait out its lease.
 """
@@ -350,6 +352,8 @@ class VllmEvents:
         self.continuing = continuation is not None
         self.chars = continuation[1] if continuation else 0
         self.first_seen = self.continuing      # (a continuation's first token is not the stream's first)
+        self.ids: list[int] = []                # this answer's token ids and text, for a kept turn
+        self.text = ""
 
     async def run(self, resp: Answer):
         from kvhandoff.router.relay import data_json, sse_events
@@ -364,7 +368,19 @@ class VllmEvents:
             if "error" in chunk:
                 yield [M.EventNote([], self.chars, frozenset({"error"})).line().rstrip("\n"), *lines]
                 continue
+            if "kv_transfer_params" in chunk:       # (vllm_site/kvhandoff_vllm_stream.py: where the KV is kept)
+                self.kept(chunk["kv_transfer_params"])
+                continue
             yield self.noted(chunk)
+
+    def kept(self, params) -> None:
+        """A streamed turn's KV, kept by the decode worker: remembered as a whole answer's would be."""
+        attempt = self.attempt
+        if not attempt.config.bidirectional or attempt.retried or self.continuing:
+            return
+        content = {"message": {"content": self.text}} if attempt.chat else {"text": self.text}
+        attempt.router.sessions.keep(attempt, {"kv_transfer_params": params, "prompt_token_ids": attempt.prompt_ids,
+                                               "choices": [{"token_ids": self.ids, **content}]})
 
     def noted(self, chunk: dict) -> list[str]:
         attempt = self.attempt
@@ -380,6 +396,8 @@ class VllmEvents:
             delta = choice.get("delta") or {}
             text = delta.get("content") if attempt.chat else choice.get("text")
             self.chars += len(text or "")
+            self.ids += ids
+            self.text += text or ""
             if attempt.chat and "role" in delta and not ids and not text:
                 tags.add("head")
             if ids and not self.first_seen:

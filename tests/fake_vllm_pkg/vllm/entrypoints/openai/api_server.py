@@ -20,6 +20,8 @@ connector = {"NixlConnector": "pull", "NixlPushConnector": "push"}.get(config.ge
 extra = config.get("kv_connector_extra_config") or {}
 argv = ["--port", str(args.port), "--host", args.host, "--model", args.served_model_name or args.model,
         "--connector", connector, "--kv-load-failure-policy", config.get("kv_load_failure_policy", "fail")]
+if "kvhandoff_vllm_stream" in sys.modules:     # run through it (its patch needs the real serving classes)
+    argv.append("--stream-kv-params")
 if extra.get("bidirectional_kv_xfer"):
     argv += ["--bidirectional", "--ttl", str(extra.get("decoder_kv_blocks_ttl", 480))]
 fake_vllm.main(argv)
