@@ -597,6 +597,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from kvhandoff.bench import demo
 
+    if args.engine == modes.Engine.VLLM:
+        return demo_vllm(args)
     started = time.monotonic()
     budget_s = args.minutes * 60
     clock = lambda: f"{(time.monotonic() - started) / 60:.1f} min"
@@ -619,6 +621,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"kvhandoff demo: done in {clock()}. Tables: {args.out / 'isolated' / 'summary.txt'}, "
           f"{args.out / 'multiturn' / 'summary.md'}\nPlots: " + ", ".join(plots), flush=True)
     return 0
+
+
+def demo_vllm(args: argparse.Namespace) -> int:
+    """`demo --engine vllm`: the same story on vLLM workers behind our router (docs/VLLM.md): isolated
+    1,024-token requests on vLLM colocated, pull (beside vllm-router, when it is installed) and push
+    (kvhandoff.bench.vllm), then multi-turn conversations through pull with and without bidirectional
+    reuse. Not sized by --minutes: each vLLM stack takes about a minute to start."""
+    import shutil
+
+    from kvhandoff.bench import demo
+    if not args.vllm_python:
+        raise SystemExit("kvhandoff demo --engine vllm: needs --vllm-python (docs/VLLM.md)")
+    from kvhandoff.bench import vllm as bench_vllm
+    print("kvhandoff demo: vLLM workers, isolated requests (colocated, pull, push)", flush=True)
+    modes_run = "colocated,pull,push" if shutil.which(str(Path(args.vllm_python).with_name("vllm-router"))) \
+        else "colocated,push"
+    rc = bench_vllm.main(["--vllm-python", args.vllm_python, "--model", args.model, "--requests", "3",
+                          "--modes", modes_run, "--vllm-args=--enforce-eager", "--out", str(args.out / "isolated")])
+    if rc:
+        return rc
+    print("kvhandoff demo: vLLM workers, multi-turn with and without bidirectional reuse", flush=True)
+    launch = f"--engine vllm --vllm-python {shlex.quote(args.vllm_python)} --vllm-args=--enforce-eager"
+    bench_args = build_parser().parse_args([
+        "bench", "--model", args.model, "--out", str(args.out / "multiturn"), "--launch", "pull,pull+bidirectional",
+        "--workload", "multiturn", "--conversations", str(demo.CONVERSATIONS), "--turns",
+        str(demo.TURNS), "--new-tokens", "200", "--answer-tokens", "32", "--think-s", "1",
+        f"--launch-args={launch}"])
+    bench_args.extra = []
+    return cmd_bench(bench_args)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -850,6 +881,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the slow emulated link's rate: auto (calibrated: a prompt's KV moves in ~3/4 of its "
                         "prefill), none (skip; also when not root), or a rate like 200mbit (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("demo-out"), help="(default: %(default)s)")
+    p.add_argument("--engine", choices=[e.value for e in modes.Engine], default=modes.Engine.KVHANDOFF.value,
+                   help="vllm: the same on vLLM workers behind our router (needs --vllm-python; docs/VLLM.md) "
+                        "(default: %(default)s)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH", help="--engine vllm: vLLM's interpreter")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("simulate", help="a calibrated discrete-event model of a fleet, fitted on a bench run",

@@ -463,7 +463,7 @@ def test_a_pull_answer_the_client_outran_is_released(fakes):
     a client left mid-stream, in 3 runs of 10 with the other core busy.) The router runs in-process:
     only here can the test stop between the answer and the leg that awaited it."""
     from kvhandoff.router.app import Router, RouterConfig
-    from kvhandoff.router.attempt import Attempt
+    from kvhandoff.router.native import NativeAttempt as Attempt
     prefill, decode = fakes
 
     async def client_outran_the_answer() -> str:

@@ -109,6 +109,15 @@ def completion(url: str, endpoint: str, body: dict, headers: dict | None = None,
     return text, final
 
 
+def sse_chunks(response: httpx.Response):
+    """The JSON chunks of a streamed answer, none of them an error."""
+    for line in response.iter_lines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            yield chunk
+
+
 def body_for(endpoint: str, stream: bool, tokens: int = 12, **extra) -> dict:
     base = {"model": MODEL, "max_tokens": tokens, "temperature": 0, "stream": stream, **extra}
     if endpoint == "chat":
@@ -278,12 +287,15 @@ def test_bidirectional_reads_the_history_back_and_never_a_stale_one(fleet, coloc
     assert handoffs[0]["reused_tokens"] == 0
     for h in handoffs[1:3]:
         assert h["reused_tokens"] > 64 and h["reuse_decision"]["choice"] == "fetch"
-        assert h["prefill_cached_tokens"] == h["reused_tokens"]
+        assert h["reused_tokens"] == h["reuse_decision"]["kept_tokens"] and "prefill_cached_tokens" not in h
     assert handoffs[2]["reused_tokens"] > handoffs[1]["reused_tokens"]
     assert handoffs[3]["reused_tokens"] == 0
     if session:         # (found by its id, refused by its tokens; an anonymous edited chat matches no entry)
         assert handoffs[3]["reuse_decision"]["choice"] == "recompute"
         assert handoffs[2]["retained"]["decode_worker"] == decodes[0].url
+    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    assert 'kvhandoff_router_vllm_reuse_total{outcome="fetched"} 2.0' in metrics
+    assert 'kvhandoff_router_vllm_reuse_total{outcome="kept"} 4.0' in metrics
 
 
 def test_a_history_on_a_dead_decode_worker_is_recomputed(fleet, colocated):
@@ -311,11 +323,7 @@ def test_a_stream_outlives_its_vllm_decode_worker(fleet, colocated):
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         text, final, killed = "", None, None
         with httpx.stream("POST", router.url + path, json=body_for(endpoint, True, tokens=40), timeout=30) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
+            for chunk in sse_chunks(r):
                 for choice in chunk["choices"]:
                     if endpoint == "chat":
                         assert chunk["object"] == "chat.completion.chunk"
@@ -426,3 +434,14 @@ def test_up_says_what_is_missing_or_wrong(tmp_path):
                             sys.executable, "--model", "tiny", "--port", "0", *args],
                            capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode != 0 and said in r.stderr + r.stdout and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_a_dead_prefill_worker_is_replaced_before_the_first_token(fleet, colocated):
+    """A prefill worker that cannot be reached: the request is retried once on the other, invisibly."""
+    router, prefills, _ = fleet("push", 2, 1)
+    want, _ = completion(colocated.url, "completions", body_for("completions", False))
+    prefills[0].proc.send_signal(signal.SIGKILL)
+    prefills[0].proc.wait()
+    for stream in (True, False, True):          # (the health poll takes it out of rotation meanwhile)
+        text, final = completion(router.url, "completions", body_for("completions", stream))
+        assert text == want and final["handoff"]["prefill_worker"] == prefills[1].url

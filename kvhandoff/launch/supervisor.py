@@ -272,7 +272,8 @@ def plan_vllm(cfg: LaunchConfig, cores: list[int], port: int) -> list[Child]:
     for i, name in enumerate(names):
         share = shares[i]
         role, wport = name.split("-")[0], free_port()
-        cmd = vllm.command(role, cfg.mode, "127.0.0.1", wport) + cfg.child_args.get(name, [])
+        own = cfg.prefill_args if role == "prefill" else cfg.decode_args      # (vLLM's flags, for one role)
+        cmd = vllm.command(role, cfg.mode, "127.0.0.1", wport) + own + cfg.child_args.get(name, [])
         children.append(Child(name, cmd, f"http://127.0.0.1:{wport}", share, env=vllm.env(share, free_port())))
     urls = lambda role: [c.url for c in children if c.name.startswith(role)]
     return children + router_children(cfg, urls("prefill"), urls("decode"), port)
@@ -332,8 +333,18 @@ def forward_output(child: Child) -> None:
         sys.stdout.buffer.flush()
 
 
+def kill_group(child: Child) -> None:
+    """SIGKILL what is left of a child's process group (its own session, spawn): processes it started
+    that outlived it, such as a vLLM server's engine core and worker, which spin on a core each."""
+    try:
+        os.killpg(child.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def on_death(child: Child, cfg: LaunchConfig, now: float) -> None:
     """A worker died: restart it after a backoff, or give it up if it keeps dying."""
+    kill_group(child)
     status = child.proc.returncode
     child.deaths = [t for t in child.deaths if now - t < cfg.restart_window] + [now]
     if len(child.deaths) > cfg.max_restarts:
@@ -462,6 +473,8 @@ def stop(children: list[Child], timeout: float) -> None:
             print(f"kvhandoff up: {child.describe()} did not stop within {timeout:g} s; killing it", flush=True)
             child.proc.kill()
             child.proc.wait()
+    for child in ordered:
+        kill_group(child)
     for child in ordered:
         if child.reader:
             child.reader.join(timeout=2.0)

@@ -166,7 +166,7 @@ def cpu_ticks(task: str) -> int:
         return 0
 
 
-def place(pid: int, cores: list[int], idle_spinners: bool, sample_s: float = 1.0) -> str:
+def place(pid: int, cores: list[int], idle_spinners: bool, sample_s: float = 2.0) -> str:
     """Put every thread of a ready vLLM server (and its engine processes) back on its own cores: vLLM's
     NIXL connector moves each worker's main thread to the last core of its NUMA node ("reserved for KV
     transfer"), which on a small machine puts every prefill's and decode's compute on one core.
@@ -186,10 +186,14 @@ def place(pid: int, cores: list[int], idle_spinners: bool, sample_s: float = 1.0
     if not idle_spinners:
         return said
     import time
-    before = {task: cpu_ticks(task) for task in tasks}
+    # A process's main thread is never one of them (a worker's computes), and the threshold is low: a
+    # spinner shares its core with whatever else runs there while it is sampled (at 50 %, one that
+    # shared it with a prefill's last warm-up step went unnoticed, and that stack's prefill ran at half speed).
+    candidates = [task for task in tasks if task.split("/")[2] != task.rsplit("/", 1)[1]]
+    before = {task: cpu_ticks(task) for task in candidates}
     time.sleep(sample_s)
     ticks = os.sysconf("SC_CLK_TCK") * sample_s
-    spinners = [int(task.rsplit("/", 1)[1]) for task in tasks if cpu_ticks(task) - before[task] > 0.5 * ticks]
+    spinners = [int(task.rsplit("/", 1)[1]) for task in candidates if cpu_ticks(task) - before[task] > 0.25 * ticks]
     for tid in spinners:
         try:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

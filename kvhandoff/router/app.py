@@ -2,9 +2,10 @@
 
 It never touches KV (docs/HANDOFF.md). For every request it chooses one `handoff_id` (used on every
 side), runs the mode's router leg (legs.py: which workers, in what order), streams the prefill's first
-token and then the decode worker's answer as they arrive (relay.py), and merges what both workers report into one
-`handoff` object (attempt.py). A worker that fails before the client saw a token is replaced once
-(retry.py), one that fails after it is migrated from (relay.py); nothing outlives --request-timeout.
+token and then the decode worker's answer as they arrive (relay.py), and merges what both workers
+report into one `handoff` object (native.py; vllm.py for vLLM workers). A worker that fails before
+the client saw a token is replaced once (retry.py), one that fails after it is migrated from
+(relay.py); nothing outlives --request-timeout.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhandoff.router import admin, legs
 from kvhandoff.router.attempt import Attempt, Phase, rewrite_final
+from kvhandoff.router.native import NativeAttempt
 from kvhandoff.router.errors import Relay, deadline_error, describe
 from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, uncached_tokens
 from kvhandoff.router.pool import Worker, WorkerPool
@@ -30,7 +32,8 @@ from kvhandoff.router.relay import relay_events
 from kvhandoff.router.retry import retry_elsewhere
 from kvhandoff.router.sessions import Sessions
 from kvhandoff.router.upstream import Upstream, UpstreamError
-from kvhandoff.router.vllm import VllmAttempt, VllmSessions, VllmState
+from kvhandoff.router.vllm import VllmAttempt, VllmState
+from kvhandoff.router.vllm_sessions import VllmSessions
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.auth import control_headers
@@ -142,6 +145,9 @@ class RouterMetrics:
         self.rebinds = Counter("kvhandoff_router_rebinds", "Late binding: requests moved to another decode "
                                "worker while their prompt was computed, or refused the move (WRITE started)",
                                ["mode", "outcome"], registry=r)
+        self.vllm_reuse = Counter("kvhandoff_router_vllm_reuse", "--engine vllm --bidirectional: turns kept by a "
+                                  "decode worker, and later turns whose history was fetched or recomputed "
+                                  "(edited, expired, on a dead worker)", ["outcome"], registry=r)
         self.in_flight = Gauge("kvhandoff_router_worker_in_flight", "Requests in flight per worker",
                                ["role", "worker"], registry=r)
         # Labelled children, looked up once: .labels() (validation, a lock) on ~20 samples a request
@@ -181,7 +187,7 @@ class Router:
             self.attempt_class, self.vllm = VllmAttempt, VllmState()
             self.sessions = VllmSessions(self, config.retention_ttl)
         else:
-            self.attempt_class, self.sessions = Attempt, Sessions(self)
+            self.attempt_class, self.sessions = NativeAttempt, Sessions(self)
 
     async def start(self) -> None:
         # No read timeout: a long prefill or a long generation is not a failure; the request deadline

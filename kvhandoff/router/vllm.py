@@ -28,22 +28,16 @@ What differs from our own workers, and how it is bridged here:
 """
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import json
 import logging
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvhandoff.router.attempt import Attempt
 from kvhandoff.router.errors import WorkerFailure, worker_failure
 from kvhandoff.router.pool import Worker
 from kvhandoff.router.upstream import Answer, UpstreamError
-from kvhandoff.wire import api as P
+from kvhandoff.router.vllm_sessions import VllmSessionEntry
 from kvhandoff.wire import messages as M
 from kvhandoff.wire import vllm as V
-from kvhandoff.wire.cost import REUSE_FLOOR_TOKENS
 from kvhandoff.wire.http import CHAT, COMPLETIONS, sse_event
 
 log = logging.getLogger("kvhandoff.router")
@@ -57,9 +51,6 @@ CONTINUATION_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed"
 # Client options under which the prefill's first token is not the chunk vLLM would stream first
 # (scores, several choices, echoed prompts, tool calls): the decode worker's stream is relayed whole.
 NO_EARLY_FIRST = ("logprobs", "top_logprobs", "echo", "tools", "response_format", "guided_json", "structured_outputs")
-# A retained turn is trusted for this much less than the decode workers' TTL: the router's clock and
-# theirs started apart, and a read of freed blocks costs a failed prefill.
-TTL_MARGIN_S = 10.0
 
 
 def strip_token_fields(obj: dict) -> None:
@@ -88,7 +79,7 @@ class VllmAttempt(Attempt):
     prompt_ids: list[int] | None = None         # the prompt's token ids, from the first answer that had them
     remote_raw: dict | None = None              # pull: the prefill's kv_transfer_params, as they came
     prefill_kv: V.RemoteKV | None = None        # the prefill's answer, typed
-    reuse: "VllmSessionEntry | None" = None     # bidirectional: the history this turn's prefill reads
+    reuse: VllmSessionEntry | None = None       # bidirectional: the history this turn's prefill reads
     reuse_decision: dict | None = None          # ... and why it does or does not
     decode_first_ms: float | None = None        # arrival -> the decode worker's first event
 
@@ -109,6 +100,10 @@ class VllmAttempt(Attempt):
 
     def headers(self) -> dict:
         return {"X-Request-Id": self.handoff_id}
+
+    def next_attempt(self) -> None:
+        super().next_attempt()
+        self.remote_raw = self.prefill_kv = self.decode_first_ms = None
 
     def worker_body(self, role: str, **extra) -> dict:
         body = dict(self.body)
@@ -282,18 +277,19 @@ class VllmAttempt(Attempt):
         of the KV (blocks, the prefill's cached tokens, the history read back)."""
         if self.merged is not None:
             return self.merged
-        prefill, prefill_error = self.prefill_kv, None
-        if self.prefill_task is not None:      # push
-            await asyncio.wait({self.prefill_task}, timeout=5.0)
-            from kvhandoff.router.errors import task_outcome
-            prefill, prefill_error = task_outcome(self.prefill_task)
+        prefill, prefill_error = await self.prefill_outcome(self.prefill_kv)
         phases = dict.fromkeys(M.PHASES) | self.leg_phases()
         merged = M.ClientHandoff(self.handoff_id, self.mode, self.prefill.url if self.prefill else None,
                                  self.decode.url, phases, self.router_ms, kv_source="remote")
         if isinstance(prefill, V.RemoteKV):
             merged.blocks = prefill.blocks
-            merged.prefill_cached_tokens = prefill.remote_prefill_cached_tokens
-        merged.reused_tokens = self.reuse.num_tokens if self.reuse is not None else 0
+            # vLLM counts the prompt tokens its prefill did not compute, from its own prefix cache and
+            # from a kept history alike, as one number: given a history, all of it counts as reused.
+            served = prefill.remote_prefill_cached_tokens
+            if self.reuse is not None:
+                merged.reused_tokens = served
+            else:
+                merged.prefill_cached_tokens, merged.reused_tokens = served, 0
         merged.reuse_decision = self.reuse_decision
         if self.migrations:
             merged.migrated = self.migrations
@@ -431,183 +427,3 @@ class VllmEvents:
         if chunk.get("usage") is not None:
             chat["usage"] = chunk["usage"]
         return chat
-
-
-# ---------------------------------------------------------------------------------------------------
-# Bidirectional reuse on vLLM workers
-
-@dataclass
-class VllmSessionEntry:
-    key: str                        # the client's session id, or "anon:<hash>"
-    decode_url: str
-    params: dict                    # the decode worker's kv_transfer_params, as they came
-    token_ids: list[int]            # the tokens whose KV it keeps (its remote_num_tokens of them)
-    expiry: float                   # time.monotonic()
-    match_key: str                  # what an anonymous next turn is found by (conversation_keys)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def extended_by(self, answer: dict, remote: V.RemoteKV) -> bool:
-        """After the prefill answered: did its prompt begin with the kept tokens, and were they read?
-        (The router checked the prompt's tokens before; this is the check on what vLLM did.)"""
-        choice = (answer.get("choices") or [{}])[0]
-        prompt = answer.get("prompt_token_ids") or choice.get("prompt_token_ids")
-        if choice.get("finish_reason") not in ("length", "stop"):
-            return False                # (kv_load_failure_policy fail: the read failed)
-        return prompt is not None and prompt[:self.num_tokens] == self.token_ids
-
-
-def conversation_keys(endpoint: str, body: dict) -> list[str]:
-    """The keys an anonymous conversation's earlier turns could be kept under, longest first: a chat's
-    message list without its last k messages (k >= 1), a completion's prompt (a kept turn's prompt plus
-    its answer is matched as a text prefix: completion_prefix_key)."""
-    if endpoint != CHAT:
-        return []
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return []
-    return [messages_key(messages[:k]) for k in range(len(messages) - 1, 0, -1)]
-
-
-def messages_key(messages: list) -> str:
-    canon = [{"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m for m in messages]
-    return hashlib.sha256(json.dumps(canon, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:32]
-
-
-class VllmSessions:
-    """Where each conversation's KV is kept on vLLM decode workers: by the client's session id, else
-    by its text (chat messages; a completion's prompt and answer). An entry only points: the turn's
-    prompt tokens are compared with the kept ones before its prefill is given them (vLLM would read
-    them unchecked), so a stale or edited history costs a recompute, never a wrong token."""
-
-    def __init__(self, router, ttl_s: float = 480.0, max_entries: int = 10_000):
-        self.router, self.ttl_s, self.max_entries = router, ttl_s, max_entries
-        self.entries: OrderedDict[str, VllmSessionEntry] = OrderedDict()
-        self.by_match: dict[str, str] = {}          # match key -> entry key
-        self.counts = {"kept": 0, "reused": 0, "recomputed": 0}
-
-    async def find(self, attempt: VllmAttempt) -> VllmSessionEntry | None:
-        entry, why = self.lookup(attempt), None
-        if entry is None:
-            return None
-        holder = self.router.pool.find(entry.decode_url)
-        if holder is None or not holder.healthy:
-            why = f"the decode worker keeping it ({entry.decode_url}) is gone or unhealthy"
-        elif entry.num_tokens < REUSE_FLOOR_TOKENS:
-            why = f"{entry.num_tokens} kept tokens, fewer than the floor {REUSE_FLOOR_TOKENS}"
-        else:
-            prompt = await self.tokenize(attempt)
-            if prompt is None:
-                why = "its prompt could not be tokenized (/tokenize)"
-            elif len(prompt) <= entry.num_tokens or prompt[:entry.num_tokens] != entry.token_ids:
-                why = "the prompt's tokens do not begin with the kept ones (the history was edited)"
-        if why is not None:
-            self.counts["recomputed"] += 1
-            attempt.reuse_decision = {"choice": "recompute", "reason": why, "kept_tokens": entry.num_tokens}
-            if holder is None or not holder.healthy:
-                self.forget(entry)
-            return None
-        self.counts["reused"] += 1
-        attempt.reuse = entry
-        attempt.reuse_decision = {"choice": "fetch", "kept_tokens": entry.num_tokens, "decode_worker": entry.decode_url}
-        return entry
-
-    def lookup(self, attempt: VllmAttempt) -> VllmSessionEntry | None:
-        now = time.monotonic()
-        keys = [attempt.session_id] if attempt.session_id is not None else \
-            [self.by_match.get(k) for k in conversation_keys(attempt.endpoint, attempt.body)]
-        if attempt.session_id is None and attempt.endpoint == COMPLETIONS:
-            keys = self.completion_candidates(attempt.body.get("prompt"))
-        for key in keys:
-            entry = self.entries.get(key) if key else None
-            if entry is None:
-                continue
-            if entry.expiry <= now:
-                self.forget(entry)
-                continue
-            return entry
-        return None
-
-    def completion_candidates(self, prompt) -> list[str]:
-        """Anonymous completions: the kept turns whose prompt-plus-answer text begins this prompt."""
-        if not isinstance(prompt, str):
-            return []
-        found = [(len(m), k) for m, k in self.by_match.items() if m.startswith("text:") and prompt.startswith(m[5:])]
-        return [k for _, k in sorted(found, reverse=True)]
-
-    async def tokenize(self, attempt: VllmAttempt) -> list[int] | None:
-        """The turn's prompt tokens, from a prefill worker's /tokenize (the chat template applied as the
-        serving endpoint applies it)."""
-        body = attempt.body
-        query = {"model": body.get("model")}
-        if attempt.chat:
-            query.update(messages=body.get("messages"), add_generation_prompt=True)
-            for key in ("tools", "chat_template", "chat_template_kwargs", "add_special_tokens"):
-                if key in body:
-                    query[key] = body[key]
-        else:
-            query["prompt"] = body.get("prompt")
-        worker = self.router.pool.least_loaded("prefill")
-        try:
-            status, data = await self.router.upstream.call("POST", worker.url + "/tokenize", query, timeout=5.0)
-        except UpstreamError as e:
-            log.info("handoff %s: /tokenize on %s failed (%s): no reuse", attempt.handoff_id, worker.url, e)
-            return None
-        tokens = data.get("tokens") if status == 200 and isinstance(data, dict) else None
-        return tokens if isinstance(tokens, list) else None
-
-    def keep(self, attempt: VllmAttempt, answer: dict) -> None:
-        """A decode worker's non-streamed answer: where it keeps this turn's KV, if it says."""
-        params = answer.get("kv_transfer_params")
-        choice = (answer.get("choices") or [{}])[0]
-        if not isinstance(params, dict) or not params.get("do_remote_decode"):
-            return                          # (not kept: no bidirectional_kv_xfer, or not a finished turn)
-        try:
-            kept = V.parse_remote(params, "the decode worker's kv_transfer_params")
-        except ValueError as exc:
-            log.warning("handoff %s: %s", attempt.handoff_id, exc)
-            return
-        prompt = answer.get("prompt_token_ids") or choice.get("prompt_token_ids") or attempt.prompt_ids
-        output = choice.get("token_ids")
-        if prompt is None or output is None or kept.blocks == 0:
-            return
-        text = (choice.get("message") or {}).get("content") if attempt.chat else choice.get("text")
-        if attempt.chat:
-            match = messages_key(list(attempt.body.get("messages") or []) + [{"role": "assistant", "content": text}])
-        else:
-            match = "text:" + (attempt.body.get("prompt") if isinstance(attempt.body.get("prompt"), str) else "") + (text or "")
-        key = attempt.session_id or f"anon:{match[:48]}"
-        if attempt.reuse is not None and attempt.reuse.key != key:
-            self.forget(attempt.reuse)
-        entry = VllmSessionEntry(key, attempt.decode.url, params, (prompt + output)[:kept.remote_num_tokens],
-                                 time.monotonic() + self.ttl_s - TTL_MARGIN_S, match)
-        self.record(entry)
-        self.counts["kept"] += 1
-
-    def record(self, entry: VllmSessionEntry) -> None:
-        old = self.entries.pop(entry.key, None)
-        if old is not None:
-            self.by_match.pop(old.match_key, None)
-        self.entries[entry.key] = entry
-        self.by_match[entry.match_key] = entry.key
-        while len(self.entries) > self.max_entries:
-            self.forget(next(iter(self.entries.values())))
-
-    def forget(self, entry: VllmSessionEntry) -> None:
-        if self.entries.get(entry.key) is entry:
-            del self.entries[entry.key]
-            self.by_match.pop(entry.match_key, None)
-
-    def shown(self, attempt: VllmAttempt) -> dict | None:
-        """What the client's handoff object shows of where its conversation is kept now."""
-        entry = self.entries.get(attempt.session_id) if attempt.session_id else None
-        if entry is None or entry.decode_url != attempt.decode.url:
-            return None
-        return {"decode_worker": entry.decode_url, "num_tokens": entry.num_tokens,
-                "expires_in_s": round(entry.expiry - time.monotonic(), 3), "session": entry.key}
-
-    def remember(self, attempt, retained) -> None:
-        """(Router.merged's hook for our own workers' reports; vLLM's come through keep().)"""
-        return None
