@@ -52,6 +52,21 @@ def workers(stack: Proc) -> dict[str, list[str]]:
     return {role: [w["url"] for w in reports if w["role"] == role] for role in ("prefill", "decode")}
 
 
+def test_push_equals_vllm_colocated(tmp_path):
+    """(First: the pull stack below is not up yet; five vLLM servers at once would take 20 of the 24 GiB.)"""
+    stack = up(tmp_path, "push", "--cores", "0,1")
+    try:
+        decode = workers(stack)["decode"][0]
+        for endpoint in ("completions", "chat"):
+            want, _ = completion(decode, endpoint, body(endpoint, False))
+            for stream in (False, True):
+                text, final = completion(stack.url, endpoint, body(endpoint, stream))
+                assert text == want, (endpoint, stream)
+                assert final["handoff"]["mode"] == "push"
+    finally:
+        stack.stop(60)
+
+
 @pytest.fixture(scope="module")
 def pull_stack(tmp_path_factory):
     """Bidirectional pull, one prefill and two decode workers (a spare for the migration)."""
@@ -125,17 +140,3 @@ def test_a_router_whose_mode_does_not_match_the_connector_is_refused(pull_stack,
         assert r.status_code == 502 and "NixlPushConnector" in r.json()["error"]["message"], r.text
     finally:
         router.stop()
-
-
-def test_push_equals_vllm_colocated(tmp_path):
-    stack = up(tmp_path, "push", "--cores", "0,1")
-    try:
-        decode = workers(stack)["decode"][0]
-        for endpoint in ("completions", "chat"):
-            want, _ = completion(decode, endpoint, body(endpoint, False))
-            for stream in (False, True):
-                text, final = completion(stack.url, endpoint, body(endpoint, stream))
-                assert text == want, (endpoint, stream)
-                assert final["handoff"]["mode"] == "push"
-    finally:
-        stack.stop(60)

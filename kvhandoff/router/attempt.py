@@ -29,7 +29,7 @@ from kvhandoff.router.errors import (Relay, WorkerFailure, error_json, failure_m
 from kvhandoff.router.pool import Worker
 from kvhandoff.router.prefix import PromptFacts
 from kvhandoff.router.sessions import SessionEntry
-from kvhandoff.router.upstream import Answer, Unreachable, UpstreamError
+from kvhandoff.router.upstream import Answer, Unreachable, UpstreamError, sse_events
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
 
@@ -250,7 +250,6 @@ class Attempt:
 
     def events(self, resp: Answer):
         """A decode answer's SSE events, each as its lines (the relay reads them)."""
-        from kvhandoff.router.relay import sse_events
         return sse_events(resp)
 
     def blame(self, failure: BaseException) -> BaseException:

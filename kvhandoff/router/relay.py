@@ -16,7 +16,6 @@ notes, such as the tests' fakes, is relayed as it streams, without migration.)
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
@@ -24,7 +23,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from kvhandoff.router.attempt import Attempt, Phase, rewrite_final
 from kvhandoff.router.errors import Relay, WorkerFailure, deadline_error, failure_message, stream_error, worker_failure
 from kvhandoff.router.retry import retry_elsewhere
-from kvhandoff.router.upstream import Answer, UpstreamError
+from kvhandoff.router.upstream import UpstreamError, data_json
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.http import sse_event
@@ -317,32 +316,6 @@ async def relay_events(attempt: Attempt, reopen: Callable[[Attempt], Awaitable[N
     """The client's stream. `reopen` runs a fresh attempt after a retry on other workers."""
     async for text in Follow(attempt, reopen).run():
         yield text
-
-
-async def sse_events(resp: Answer) -> AsyncIterator[list[str]]:
-    """The lines of each SSE event (blank-line separated), yielded as soon as the event is complete."""
-    lines: list[str] = []
-    async for raw in resp.lines():
-        line = raw.decode().rstrip("\r\n")
-        if line:
-            lines.append(line)
-        elif lines:
-            yield lines
-            lines = []
-    if lines:
-        yield lines
-
-
-def data_json(lines: list[str]) -> dict | None:
-    """The JSON object of a one-line `data:` event, or None."""
-    payload = lines[-1][5:].strip() if lines and lines[-1].startswith("data:") else None
-    if not payload or payload == "[DONE]":
-        return None
-    try:
-        chunk = json.loads(payload)
-    except ValueError:
-        return None
-    return chunk if isinstance(chunk, dict) else None
 
 
 def error_message(data: str) -> str:

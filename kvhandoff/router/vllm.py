@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from kvhandoff.router.attempt import Attempt
 from kvhandoff.router.errors import WorkerFailure, worker_failure
 from kvhandoff.router.pool import Worker
-from kvhandoff.router.upstream import Answer, UpstreamError
+from kvhandoff.router.upstream import Answer, UpstreamError, data_json, sse_events
 from kvhandoff.router.vllm_sessions import VllmSessionEntry
 from kvhandoff.wire import messages as M
 from kvhandoff.wire import vllm as V
@@ -352,7 +352,6 @@ class VllmEvents:
         self.text = ""
 
     async def run(self, resp: Answer):
-        from kvhandoff.router.relay import data_json, sse_events
         attempt = self.attempt
         async for lines in sse_events(resp):
             if attempt.decode_first_ms is None:
