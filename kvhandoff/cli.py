@@ -471,10 +471,11 @@ def vllm_launch(args: argparse.Namespace):
     if args.extra:
         raise SystemExit(f"kvhandoff up --engine vllm: {' '.join(args.extra)} would go to our workers; give vLLM's "
                          "servers their flags with --vllm-args")
-    for flag, on in (("--late-binding", args.late_binding), ("--prefill-policy cache-aware", args.prefill_policy == "cache-aware"),
-                     ("--disagg-min-tokens", bool(args.disagg_min_tokens))):
-        if on:
-            raise SystemExit(f"kvhandoff up --engine vllm: {flag} needs our workers' control endpoints")
+    from kvhandoff.wire.vllm import refusal
+    why = refusal(args.mode, args.bidirectional, args.late_binding, args.prefill_policy == "cache-aware",
+                  args.disagg_min_tokens)
+    if why is not None:
+        raise SystemExit(f"kvhandoff up --engine vllm: {why}")
     launch = VllmLaunch(args.vllm_python, args.model, bidirectional=args.bidirectional,
                         retention_ttl=480.0 if args.retention_ttl is None else args.retention_ttl, dtype=args.dtype,
                         args=shlex.split(args.vllm_args), stock=args.vllm_stock, placement=args.vllm_placement)

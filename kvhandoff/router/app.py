@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhandoff.router import admin, legs
 from kvhandoff.router.attempt import Attempt, Phase, rewrite_final
-from kvhandoff.router.native import NativeAttempt
 from kvhandoff.router.errors import Relay, deadline_error, describe
+from kvhandoff.router.native import NativeAttempt
 from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, uncached_tokens
 from kvhandoff.router.pool import Worker, WorkerPool
 from kvhandoff.router.prefix import PromptFacts, prompt_facts
@@ -39,7 +39,8 @@ from kvhandoff.wire import messages as M
 from kvhandoff.wire.auth import control_headers
 from kvhandoff.wire.http import (CHAT, COMPLETIONS, CONTENT_TYPE, LATENCY_BUCKETS, SSEResponse, read_json_object,
                                   wait_disconnect)
-from kvhandoff.wire.modes import VLLM_MODES, Engine, Mode
+from kvhandoff.wire.modes import Engine, Mode
+from kvhandoff.wire.vllm import refusal
 
 log = logging.getLogger("kvhandoff.router")
 SESSION_HEADER = "x-session-id"
@@ -104,18 +105,11 @@ class RouterConfig:
             self.check_vllm()
 
     def check_vllm(self) -> None:
-        """What a vLLM 0.32 fleet can do under this router; the rest is refused with what to use."""
-        if self.mode.value not in VLLM_MODES:
-            raise ValueError(f"--engine vllm: vLLM's NIXL connectors do {' and '.join(VLLM_MODES)}, not {self.mode}")
-        if self.bidirectional and not self.mode.is_pull:
-            raise ValueError("--engine vllm: vLLM 0.32's bidirectional KV transfer is for pull (NixlConnector) "
-                             "only; its NixlPushConnector refuses it")
-        refused = [flag for flag, on in (("--late-binding", self.late_binding), ("--shared-sessions", self.shared_sessions),
-                                         ("--prefill-policy cache-aware", self.prefill_policy is PrefillPolicy.CACHE),
-                                         ("--disagg-min-tokens", bool(self.disagg_min_tokens))) if on]
-        if refused:
-            raise ValueError(f"--engine vllm does not support {', '.join(refused)} (they need our workers' "
-                             "control endpoints)")
+        """What a vLLM 0.32 fleet can do under this router (wire/vllm.py); the rest is refused."""
+        why = refusal(self.mode.value, self.bidirectional, self.late_binding, self.prefill_policy is PrefillPolicy.CACHE,
+                      self.disagg_min_tokens, self.shared_sessions)
+        if why is not None:
+            raise ValueError(f"--engine vllm: {why}")
 
 
 class RouterMetrics:

@@ -363,15 +363,20 @@ class Attempt:
         if ttft is not None:
             ttft = min(max(ttft, 0.0), total)
             queue = min(max(queue, 0.0), ttft)
-        def r(v):
-            return None if v is None else round(v, 3)
-        return {"queue_ms": r(queue), "prefill_ms": r(None if ttft is None else ttft - queue), "ttft_ms": r(ttft),
-                "decode_ms": r(None if ttft is None else total - ttft), "total_ms": r(total)}
+        return timings_of(queue, ttft, total)
 
     def workers_named(self) -> str:
         """The workers of the current attempt, for a log line."""
         named = [str(w) for w in (self.prefill, self.decode) if w is not None]
         return " and ".join(named) or "no worker yet"
+
+
+def timings_of(queue: float, ttft: float | None, total: float) -> dict:
+    """The `timings` object from arrival-relative ms: queue + prefill = ttft, ttft + decode = total."""
+    def r(v):
+        return None if v is None else round(v, 3)
+    return {"queue_ms": r(queue), "prefill_ms": r(None if ttft is None else ttft - queue), "ttft_ms": r(ttft),
+            "decode_ms": r(None if ttft is None else total - ttft), "total_ms": r(total)}
 
 
 def rewrite_final(attempt: Attempt, data: dict, handoff: M.ClientHandoff) -> dict:

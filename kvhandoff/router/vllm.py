@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kvhandoff.router.attempt import Attempt
+from kvhandoff.router.attempt import Attempt, timings_of
 from kvhandoff.router.errors import WorkerFailure, worker_failure
 from kvhandoff.router.pool import Worker
 from kvhandoff.router.upstream import Answer, UpstreamError, data_json, sse_events
@@ -298,8 +298,6 @@ class VllmAttempt(Attempt):
         merged.prefill_error, merged.retried_elsewhere = prefill_error, self.retry_reason
         self.merged = merged
         self.router.merged(self, merged, None)
-        if self.config.bidirectional:
-            merged.retained = self.router.sessions.shown(self)
         return merged
 
     def timings(self, worker_timings: dict | None) -> dict:
@@ -309,10 +307,7 @@ class VllmAttempt(Attempt):
         queue = self.prefill_sent_ms if self.prefill_sent_ms is not None and not self.retried else self.decode_sent_ms
         ttft = self.first_token_ms if self.first_token_ms is not None else (self.first_received_ms or self.decode_first_ms)
         queue = min(queue or 0.0, ttft if ttft is not None else total)
-        def r(v):
-            return None if v is None else round(v, 3)
-        return {"queue_ms": r(queue), "prefill_ms": r(None if ttft is None else ttft - queue), "ttft_ms": r(ttft),
-                "decode_ms": r(None if ttft is None else total - ttft), "total_ms": r(total)}
+        return timings_of(queue, ttft, total)
 
     def leg_phases(self) -> dict:
         """The phases the router sees of vLLM workers (they report none per request): arrival -> prefill

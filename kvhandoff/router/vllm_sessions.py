@@ -193,14 +193,11 @@ class VllmSessions:
             del self.entries[entry.key]
             self.by_match.pop(entry.match_key, None)
 
-    def shown(self, attempt: VllmAttempt) -> dict | None:
-        """What the client's handoff object shows of where its conversation is kept now."""
+    def remember(self, attempt: VllmAttempt, retained=None) -> dict | None:
+        """Router.merged's hook: what the client's handoff object shows of where its conversation is kept
+        now. (The keeping itself happened when the decode answer said where: keep().)"""
         entry = self.entries.get(attempt.session_id) if attempt.session_id else None
         if entry is None or entry.decode_url != attempt.decode.url:
             return None
         return {"decode_worker": entry.decode_url, "num_tokens": entry.num_tokens,
                 "expires_in_s": round(entry.expiry - time.monotonic(), 3), "session": entry.key}
-
-    def remember(self, attempt, retained) -> None:
-        """(Router.merged's hook for our own workers' reports; vLLM's come through keep().)"""
-        return None

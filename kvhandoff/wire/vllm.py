@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvhandoff.wire.modes import COLOCATED, VLLM_MODES
+
 # The transfer_mode each connector names in its answers: a worker whose connector does not match the
 # router's mode is refused with a message saying which one it runs.
 CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
@@ -90,6 +92,24 @@ class PushDecodeParams(Params):
     @classmethod
     def to(cls, engine: EngineCoordinates, request_id: str) -> "PushDecodeParams":
         return cls(engine.engine_id, engine.host, engine.port, engine.tp_size, request_id)
+
+
+def refusal(mode: str, bidirectional: bool = False, late_binding: bool = False, cache_aware: bool = False,
+            disagg_min_tokens: int = 0, shared_sessions: bool = False) -> str | None:
+    """Why vLLM 0.32 workers cannot serve this configuration, None if they can: the one list the router
+    and `up --engine vllm` check (up before it starts anything)."""
+    if mode != COLOCATED and mode not in VLLM_MODES:
+        return (f"vLLM's NIXL connectors do {' and '.join(VLLM_MODES)} ({CONNECTORS['pull']} and "
+                f"{CONNECTORS['push']}), or {COLOCATED} without a router; not {mode}")
+    if bidirectional and mode != "pull":
+        return ("vLLM 0.32's bidirectional KV transfer is for pull (NixlConnector) only; its NixlPushConnector "
+                "raises on it: --bidirectional with --mode pull only")
+    needs_ours = [flag for flag, on in (("--late-binding", late_binding), ("--prefill-policy cache-aware", cache_aware),
+                                        ("--disagg-min-tokens", bool(disagg_min_tokens)),
+                                        ("--shared-sessions", shared_sessions)) if on]
+    if needs_ours:
+        return f"{', '.join(needs_ours)} need our workers' control endpoints"
+    return None
 
 
 def base_request_id(x_request_id: str, chat: bool) -> str:
