@@ -134,6 +134,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-backend", default="auto", choices=KV_BACKENDS,
                    help="KV transfer backend; auto: shm with same-host peers, tcp otherwise (default: %(default)s)")
     g.add_argument("--kv-host", default=None, help="address the KV agent listens on (default: --host)")
+    g.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="do not publish what this worker holds (KV events, docs/HANDOFF.md): routers then ask it "
+                        "on each request's path instead")
     g.add_argument("--kv-shm-dir", default="/dev/shm",
                    help="where the shared-memory KV pool lives; a tmpfs mounted with huge=within_size "
                         "makes same-host copies ~2x faster here (default: %(default)s)")
@@ -206,7 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
     membership = None
     routers = join_targets(args)
-    agent = connector = None
+    agent = connector = publisher = None
     # A colocated server needs no secret; with one (under `kvhandoff up`), its API key gate also lets
     # the launcher's health polls through.
     secret = resolve_secret(args.kv_secret)
@@ -267,8 +270,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # Wired before anything runs: the connector's threads start once it is whole, and the
             # engine loop once the engine has its connector.
             connector = Connector(loop, agent, handoff_cfg, worker_name)
-            attach_worker_routes(app, WorkerHandoff(app.state.server, connector, args.role, secret))
+            if args.kv_events:
+                from kvhandoff.worker.kv_events import attach
+                publisher = attach(loop, connector.retention, secret, args.kv_host or args.host, faults.drop_events)
+            attach_worker_routes(app, WorkerHandoff(app.state.server, connector, args.role, secret, publisher))
             connector.start()
+            if publisher is not None:
+                publisher.start()
         loop.start()
 
         def ready(url: str) -> None:
@@ -291,6 +299,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop.stop()
         if connector is not None:
             connector.close()
+        if publisher is not None:
+            publisher.close()
         if agent is not None:
             agent.close()       # unlinks the shared-memory KV pool
         log.info("engine stopped")

@@ -287,6 +287,11 @@ def test_two_routers_find_every_conversation_whichever_served_its_last_turn(colo
             for turn, report in enumerate(reports[1:], start=2):
                 assert report["reuse_decision"]["decision"] == "fetch" and report["reused_tokens"] >= 128, \
                     (session, turn, report["reuse_decision"])
+        # Each router learned where the other's turns were kept from the decode workers' KV events:
+        # neither asked a worker on a turn's path (/kv/retained/find, /kv/prompt).
+        workers = [w["url"] for w in httpx.get(urls[0] + "/health", timeout=10).json()["workers"]]
+        asked = [httpx.get(url + "/health", timeout=10).json()["asked"] for url in workers]
+        assert all(n == 0 for a in asked for n in a.values()), asked
         os.kill(routers["router-0"][0], signal.SIGKILL)
         # The front: whichever router the kernel hands the connection to; router-1 alone while router-0 is down.
         reports = conversation([up.url], colocated.url, 2, seed=62, session="front")

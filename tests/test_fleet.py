@@ -290,11 +290,33 @@ def fleet_router(tmp_path, fleet, *flags: str) -> Proc:
 
 
 def polled(router_url: str) -> None:
-    """Until a poll of every worker (its step time, pool size) has landed in the router."""
+    """Until a poll of every worker (its step time, pool size) has landed in the router, and it follows
+    every worker's KV events with a tokenizer to look prompts up (kvhandoff/router/kv_feed.py)."""
     def landed() -> bool:
         workers = httpx.get(router_url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
         return all(w["num_free_blocks"] is not None for w in workers)
     wait_until(landed, "the router has not polled every worker", timeout=20)
+    indexed(router_url)
+
+
+def indexed(router_url: str, timeout: float = 20) -> dict:
+    """Until the router's KV-event feed of every worker is synchronised and it has their tokenizer."""
+    def ready() -> bool:
+        health = httpx.get(router_url + "/health", timeout=10).json()
+        index = health["kv_index"]
+        return bool(index["tokenizers"]) and len(index["feeds"]) == len(health["workers"]) and \
+            all(f["fresh"] for f in index["feeds"].values())
+    wait_until(ready, "the router does not follow every worker's KV events", timeout=timeout)
+    return httpx.get(router_url + "/health", timeout=10).json()["kv_index"]
+
+
+def asked(urls: list[str]) -> dict[str, int]:
+    """Lookups the workers answered on a request's path (/kv/prompt, /kv/retained/find), summed."""
+    total: dict[str, int] = {}
+    for url in urls:
+        for path, n in httpx.get(url + "/health", timeout=10).json()["asked"].items():
+            total[path] = total.get(path, 0) + n
+    return total
 
 
 def post(router: Proc, prompt: list[int], max_tokens: int = TOKENS) -> dict:
@@ -341,6 +363,7 @@ def test_cache_aware_prefill_goes_where_the_prefix_is_cached(tmp_path, fleet, re
     router = fleet_router(tmp_path, fleet, "--prefill-policy", policy)
     (tmp_path / "other").mkdir()
     other = fleet_router(tmp_path / "other", fleet, "--prefill-policy", policy) if policy == "cache-aware" else router
+    before = asked(fleet[0] + fleet[1])
     try:
         for i in (0, 5, 9):
             assert post(router, PROMPTS[i], SHORT)["choices"][0]["text"] == reference[SHORT][i], f"{policy}: prompt {i}"
@@ -353,6 +376,8 @@ def test_cache_aware_prefill_goes_where_the_prefix_is_cached(tmp_path, fleet, re
                 assert again == [home] * 3, (home, again)
             else:                                     # fewest-in-flight takes idle workers in turn
                 assert set(again) == set(fleet[0]), (home, again)
+        # Learned from the workers' KV events, not by asking them on each request's path.
+        assert asked(fleet[0] + fleet[1]) == before, (before, asked(fleet[0] + fleet[1]))
     finally:
         router.stop()
         if other is not router:

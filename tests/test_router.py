@@ -1020,15 +1020,19 @@ def test_processes_drawing_ports_at_once_never_get_the_same_one():
 
 
 def test_the_router_imports_only_the_wire_contract():
-    """The router is its own package: it imports kvhandoff.wire and nothing else of ours (never the
-    worker stack, the engine, the transfer layer), and no torch (it costs ~2.5 s of a core at every
-    start). `kvhandoff up` and the CLI's router command do without torch too."""
+    """The router is its own package: it imports kvhandoff.wire and, of the rest of ours, only the two
+    torch-free modules it must share bit for bit with the workers to read their KV events (the
+    tokenizer, the block chain hash: router/prompts.py): never the worker stack, the engine, the
+    transfer layer, and no torch (it costs ~2.5 s of a core at every start). `kvhandoff up` and the
+    CLI's router command do without torch too."""
     script = ("import sys, kvhandoff.router, kvhandoff.router.app; "
               "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('kvhandoff.')})); "
+              "print(sorted(m for m in sys.modules if m.startswith(('kvhandoff.engine.', 'kvhandoff.model.')))); "
               "import kvhandoff.launch.supervisor, kvhandoff.cli; "
               "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    packages, heavy = out.stdout.split("\n")[:2]
-    assert packages == "['router', 'wire']", packages
+    packages, leaves, heavy = out.stdout.split("\n")[:3]
+    assert packages == "['engine', 'model', 'router', 'wire']", packages
+    assert leaves == "['kvhandoff.engine.block_pool', 'kvhandoff.model.tokenizer']", leaves
     assert heavy == "[]", heavy

@@ -6,17 +6,78 @@ decode worker streams its answer (a chat stream's role chunk, one event per toke
 EventNote, the final chunk, [DONE]) without waiting for anything. So what the router benchmark
 measures is the router's own cost. Run as `python -m kvhandoff.bench.instant --role decode --port N`;
 aiohttp on uvloop, one process, far cheaper per request than the router it serves.
+
+With `--ports P1,P2,...` one process serves many workers (the router benchmark's `--workers N`), each
+with what a real one would hold: an LRU of prefix-cache blocks (`--capacity` of them) that every prompt
+it prefills refreshes and fills, evicting the oldest, and on a decode worker the conversations it
+keeps (one retained turn per session, `X-Session-Id`), published as the real workers publish them
+(KV events: kvhandoff/worker/kv_events.py, with the same secret), so that the router indexes a fleet
+of that size at the events' natural rate.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import threading
 import time
+from collections import OrderedDict
 
 import msgspec
 import uvloop
 from aiohttp import web
 
+from kvhandoff.engine.block_pool import REMOVED, STORED, hash_chain
 from kvhandoff.wire import messages as M
+from kvhandoff.worker.kv_events import RETAINED, UNRETAINED, Publisher
+
+BLOCK_SIZE = 32
+RETENTION_TTL_S = 480.0
+
+
+class Holdings:
+    """What one instant worker holds, published as KV events (an LRU of prefix blocks; retained turns)."""
+
+    def __init__(self, secret: bytes, capacity: int):
+        self.capacity = capacity
+        self.lock = threading.Lock()            # (the publisher's thread takes snapshots)
+        self.blocks: OrderedDict[bytes, tuple] = OrderedDict()
+        self.retained: dict[str, tuple] = {}    # session -> its RETAINED event
+        self.publisher = Publisher(secret, "127.0.0.1", BLOCK_SIZE, "CPU", lambda fn: fn(), self.snapshot)
+        self.publisher.start()
+
+    def prefilled(self, ids: list[int]) -> None:
+        events, parent = [], None
+        with self.lock:
+            for i, h in enumerate(hash_chain(ids, BLOCK_SIZE)):
+                if h in self.blocks:
+                    self.blocks.move_to_end(h)
+                else:
+                    self.blocks[h] = event = (STORED, h, parent, tuple(ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
+                    events.append(event)
+                parent = h
+            while len(self.blocks) > self.capacity:
+                events.append((REMOVED, self.blocks.popitem(last=False)[0]))
+            if events:
+                self.publisher.publish(events)
+
+    def kept(self, session: str, ids: list[int]) -> dict:
+        """A decode turn kept for its session (the previous one let go); what the router is told."""
+        retention_id = f"{session}-{len(ids)}"
+        hashes = hash_chain(ids, BLOCK_SIZE)
+        full = ids[:len(hashes) * BLOCK_SIZE]
+        with self.lock:
+            events = [(RETAINED, retention_id, session, hashes, full)]
+            old = self.retained.get(session)
+            if old is not None:
+                events.insert(0, (UNRETAINED, old[1], old[3]))
+            self.retained[session] = events[-1]
+            self.publisher.publish(events)
+        return {"retention_id": retention_id, "num_tokens": len(full), "block_hashes": [h.hex() for h in hashes],
+                "expires_in_s": RETENTION_TTL_S, "bytes": 0, "session": session}
+
+    def snapshot(self) -> list[tuple]:
+        with self.lock:
+            return list(self.blocks.values()) + list(self.retained.values())
 
 PHASES = {"prefill_queue": 0.0, "prefill_compute": 0.0}
 
@@ -41,6 +102,7 @@ def event(obj: dict, note: M.EventNote | None = None) -> bytes:
 async def generate(request: web.Request) -> web.StreamResponse:
     count(request)
     body = msgspec.json.decode(await request.read())
+    request.app["prompt"] = body.get("prompt")
     kv = body.get("kv_transfer_params") or {}
     chat = request.path.endswith("/chat/completions")
     rid = kv.get("handoff_id") or "instant"
@@ -51,6 +113,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def prefill(request: web.Request, kv: dict, chat: bool, rid: str) -> web.StreamResponse:
     started = time.perf_counter()
+    holdings, prompt = request.app["holdings"], request.app["prompt"]
+    if holdings is not None and isinstance(prompt, list):
+        holdings.prefilled(prompt)
     resp = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
     await resp.prepare(request)
     sse = (event(role_chunk(rid)).decode() if chat else "") + event(chunk(rid, chat, " t0")).decode()
@@ -74,7 +139,7 @@ async def decode(request: web.Request, body: dict, kv: dict, chat: bool, rid: st
         if chat:
             answer["choices"][0] = {"index": 0, "message": {"role": "assistant", "content": text},
                                     "finish_reason": "length"}
-        answer |= {"timings": {"ttft_ms": 0.0}, "handoff": report(rid, kv)} if kv else {}
+        answer |= {"timings": {"ttft_ms": 0.0}, "handoff": report(request, rid, kv)} if kv else {}
         return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
     resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
     await resp.prepare(request)
@@ -87,7 +152,7 @@ async def decode(request: web.Request, body: dict, kv: dict, chat: bool, rid: st
         chars += len(text)
         last = i == n - 1
         tags = ({"first"} if i == 0 and not kv.get("resume_token_ids") else set()) | ({"final"} if last else set())
-        extra = {"timings": {"ttft_ms": 0.0}, **({"handoff": report(rid, kv)} if kv else {})} if last else {}
+        extra = {"timings": {"ttft_ms": 0.0}, **({"handoff": report(request, rid, kv)} if kv else {})} if last else {}
         parts.append(event(chunk(rid, chat, text, "length" if last else None, **extra),
                            M.EventNote([i], chars, frozenset(tags)) if noted else None))
     parts.append(b"data: [DONE]\n\n")
@@ -96,10 +161,14 @@ async def decode(request: web.Request, body: dict, kv: dict, chat: bool, rid: st
     return resp
 
 
-def report(rid: str, kv: dict) -> dict:
-    return {"handoff_id": rid, "mode": kv.get("mode"), "decode_worker": "instant", "bytes_transferred": 0, "blocks": 1,
-            "decode_cached_tokens": 0, "kv_source": "remote",
-            "phases_ms": {"handoff_wait": 0.0, "transfer": 0.0, "decode_queue": 0.0, "first_step": 0.0}}
+def report(request: web.Request, rid: str, kv: dict) -> dict:
+    answer = {"handoff_id": rid, "mode": kv.get("mode"), "decode_worker": "instant", "bytes_transferred": 0,
+              "blocks": 1, "decode_cached_tokens": 0, "kv_source": "remote",
+              "phases_ms": {"handoff_wait": 0.0, "transfer": 0.0, "decode_queue": 0.0, "first_step": 0.0}}
+    holdings, prompt, session = request.app["holdings"], request.app["prompt"], request.headers.get("x-session-id")
+    if holdings is not None and kv.get("retain") and session and isinstance(prompt, list):
+        answer["retained"] = holdings.kept(session, prompt)
+    return answer
 
 
 def count(request: web.Request) -> None:
@@ -109,8 +178,11 @@ def count(request: web.Request) -> None:
 
 
 async def ok(request: web.Request) -> web.Response:
+    holdings = request.app["holdings"]
+    events = {} if holdings is None else {"kv_events": holdings.publisher.health(RETENTION_TTL_S, ""),
+                                          "num_blocks": holdings.capacity}
     return web.json_response({"status": "ok", "role": request.app["role"], "num_running": 0, "num_waiting": 0,
-                              "served": request.app["counts"]})
+                              "served": request.app["counts"], **events})
 
 
 async def control(request: web.Request) -> web.Response:
@@ -119,10 +191,11 @@ async def control(request: web.Request) -> web.Response:
     return web.json_response({})
 
 
-def app(role: str) -> web.Application:
+def app(role: str, holdings: Holdings | None = None) -> web.Application:
     application = web.Application()
     application["role"] = role
     application["counts"] = {}
+    application["holdings"], application["prompt"] = holdings, None
     application.router.add_post("/v1/completions", generate)
     application.router.add_post("/v1/chat/completions", generate)
     application.router.add_get("/health", ok)
@@ -134,11 +207,31 @@ def app(role: str) -> web.Application:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--role", choices=["prefill", "decode"], required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, help="one worker on this port")
+    p.add_argument("--ports", help="several workers in this process, one per port (comma-separated)")
+    p.add_argument("--capacity", type=int, default=0,
+                   help="publish KV events (needs $KVHANDOFF_SECRET) for a prefix cache of this many blocks")
     args = p.parse_args()
+    ports = [args.port] if args.port else [int(x) for x in (args.ports or "").split(",") if x]
+    if not ports:
+        p.error("--port or --ports")
     uvloop.install()
-    print(f"instant {args.role} worker at http://127.0.0.1:{args.port}", flush=True)
-    web.run_app(app(args.role), host="127.0.0.1", port=args.port, print=None, access_log=None)
+    secret = os.environ.get("KVHANDOFF_SECRET", "").encode()
+    if args.capacity and not secret:
+        p.error("--capacity: KV events need the deployment secret ($KVHANDOFF_SECRET)")
+    web.run_app(serve(args.role, ports, args.capacity, secret), host="127.0.0.1", port=ports[0], print=None,
+                access_log=None)
+
+
+async def serve(role: str, ports: list[int], capacity: int, secret: bytes) -> web.Application:
+    """Every port's app on one loop (web.run_app runs the first; the others are started here)."""
+    apps = [app(role, Holdings(secret, capacity) if capacity else None) for _ in ports]
+    for application, port in zip(apps[1:], ports[1:]):
+        runner = web.AppRunner(application, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    print(f"instant {role} workers at " + ", ".join(f"http://127.0.0.1:{port}" for port in ports), flush=True)
+    return apps[0]
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Only ids and bookkeeping live here; the KV tensor itself belongs to the runner. 
 reference count drops to zero returns to the free list but keeps its hash, so a later prompt with
 the same prefix can revive it until the block is handed out again. Free means reusable: the free
 count includes such cached blocks.
+
+With `events` a list (a worker that publishes what it holds: worker/kv_events.py), every block
+entering the cache appends `(STORED, hash, parent hash, token ids)` and every cached block handed out
+again `(REMOVED, hash)`; the engine loop takes them after each step.
 """
 from __future__ import annotations
 
@@ -30,11 +34,16 @@ def hash_chain(token_ids: list[int], block_size: int) -> list[bytes]:
     return hashes
 
 
+STORED, REMOVED = "stored", "removed"
+
+
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None           # set once the block is full and its K/V computed
+    parent: bytes | None = None         # the hash of the block before it in its chain (kept for the events)
+    token_ids: tuple[int, ...] = ()
 
 
 class BlockPool:
@@ -48,6 +57,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.hits = self.queries = 0
+        self.events: list[tuple] | None = None
 
     @property
     def num_free(self) -> int:
@@ -63,6 +73,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.hash is not None:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self.events.append((REMOVED, block.hash))
                 block.hash = None
             block.ref_count = 1
             ids.append(block_id)
@@ -108,11 +120,22 @@ class BlockPool:
                 n += 1
         return n
 
-    def register(self, block_id: int, h: bytes) -> None:
+    def register(self, block_id: int, h: bytes, parent: bytes | None, token_ids: list[int]) -> None:
         """Publish a full, computed block under its chain hash (first writer wins)."""
         if not self.enable_prefix_caching:
             return
         block = self.blocks[block_id]
         if block.hash is None and h not in self.cached:
-            block.hash = h
+            block.hash, block.parent = h, parent
             self.cached[h] = block_id
+            if self.events is not None:
+                block.token_ids = tuple(token_ids)
+                self.events.append((STORED, h, parent, block.token_ids))
+
+    def take_events(self) -> list[tuple]:
+        events, self.events = self.events, []
+        return events
+
+    def snapshot(self) -> list[tuple]:
+        """Every cached block as a STORED event, in the order they entered the cache (parents first)."""
+        return [(STORED, h, self.blocks[i].parent, self.blocks[i].token_ids) for h, i in self.cached.items()]

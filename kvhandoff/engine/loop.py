@@ -61,8 +61,13 @@ class EngineLoop:
         # Called (on the loop's thread) once the loop died of a bug: a worker stops itself, so that
         # its supervisor starts a fresh one instead of keeping a process that can only answer 503.
         self.on_fatal: Callable[[str], None] | None = None
+        # Called (on the loop's thread) with the block pool's events of each round (worker/kv_events.py):
+        # set once, before start(); the pool records events only then.
+        self.on_kv_events: Callable[[list[tuple]], None] | None = None
 
     def start(self) -> None:
+        if self.on_kv_events is not None:
+            self.engine.pool.events = []
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -175,6 +180,8 @@ class EngineLoop:
                     ms = (time.perf_counter() - started) * 1e3
                     self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms
             self._deliver(outputs)
+            if self.on_kv_events is not None and self.engine.pool.events:
+                self.on_kv_events(self.engine.pool.take_events())
         # Shutdown: end everything still in flight so callers are not left waiting.
         self._deliver([out for rid in list(self.engine.requests) if (out := self.engine.abort(rid))])
 

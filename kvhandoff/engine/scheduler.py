@@ -187,7 +187,8 @@ class Scheduler:
                 start = len(hashes) * bs
                 hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + bs]))
             for index in range(first_full, last_full):
-                self.pool.register(request.block_table[index], hashes[index])
+                self.pool.register(request.block_table[index], hashes[index], hashes[index - 1] if index else None,
+                                   tokens[index * bs:(index + 1) * bs])
 
     def finish(self, request: Request, reason: FinishReason, keep_blocks: bool = False) -> None:
         """Take the request out of its queue; free its blocks unless the caller now owns them."""

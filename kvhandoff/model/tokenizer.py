@@ -6,6 +6,7 @@ rendered exactly as `transformers` would, without importing it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -30,10 +31,6 @@ def _ids(value) -> list[int]:
     if value is None:
         return []
     return [value] if isinstance(value, int) else list(value)
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
 def _raise_exception(message):
@@ -65,6 +62,8 @@ def compile_chat_template(source: str) -> jinja2.Template:
 # context absorbs). Others are decoded whole (engine/detokenizer.py): WordPiece's cleanup joins across
 # tokens, and ByteFallback replaces every byte of a run of byte tokens once the run is invalid, so a
 # byte can change the text before it (E2 82 82 is "₂"; one more E2 makes it four replacements).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
+                   "generation_config.json")
 _WINDOWED_DECODERS = {"ByteLevel", "Fuse", "Replace", "Strip", "Metaspace"}
 
 
@@ -76,11 +75,21 @@ class Tokenizer:
     eos_token: str | None = None
     extra_eos_ids: list[int] = field(default_factory=list)   # from config.json / generation_config.json
 
+    files: dict[str, str] = field(default_factory=dict)     # what it was made from (routers fetch them)
+
     @classmethod
     def from_folder(cls, path: str | Path) -> "Tokenizer":
         path = Path(path)
-        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-        cfg = _read_json(path / "tokenizer_config.json")
+        return cls.from_files({name: (path / name).read_text(encoding="utf-8") for name in TOKENIZER_FILES
+                               if (path / name).exists()})
+
+    @classmethod
+    def from_files(cls, files: dict[str, str]) -> "Tokenizer":
+        """From the texts of a model folder's TOKENIZER_FILES (tokenizer.json required)."""
+        def read(name: str) -> dict:
+            return json.loads(files[name]) if name in files else {}
+        tok = HFTokenizer.from_str(files["tokenizer.json"])
+        cfg = read("tokenizer_config.json")
         # Tokens declared only in tokenizer_config.json (older checkpoints) must still be matched whole.
         for spec in cfg.get("added_tokens_decoder", {}).values():
             if tok.token_to_id(spec["content"]) is None:
@@ -92,12 +101,16 @@ class Tokenizer:
         if isinstance(template, list):      # named templates: [{"name": "default", "template": ...}, ...]
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default") or next(iter(named.values()), None)
-        if template is None and (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        if template is None:
+            template = files.get("chat_template.jinja")
         # Models often stop on more than the tokenizer's eos (Llama 3: <|eot_id|>); the model config says which.
-        extra = _ids(_read_json(path / "config.json").get("eos_token_id"))
-        extra += _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
-        return cls(tok, template, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), extra)
+        extra = _ids(read("config.json").get("eos_token_id")) + _ids(read("generation_config.json").get("eos_token_id"))
+        return cls(tok, template, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), extra, files)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Equal for tokenizers made from the same files: a router fetches each one once."""
+        return hashlib.sha256(json.dumps(self.files, sort_keys=True).encode()).hexdigest()[:16]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids

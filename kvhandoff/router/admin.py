@@ -4,6 +4,9 @@ GET /admin/workers lists the pool; POST /admin/workers {"role": "prefill"|"decod
 worker (checked with one /health at once: it serves when that answers, or when a later poll does;
 `"instance": ID` from a worker that adds itself, `serve --join`: forgotten once unreachable for long,
 and that run of it refused once drained);
+GET /admin/kv-index?url=... shows what the router's KV-event index holds of a worker (without url: its
+size, what it absorbed, its lookups' durations) (worker/handoff.py's
+/kv/held shows what the worker holds: the two agree while its events are fresh);
 DELETE /admin/workers?url=... drains one (no new requests; it leaves the pool after its last request).
 `kvhandoff workers` is the command line for them. A worker that restarts at the same URL (`kvhandoff
 up` restarting a dead one) needs none of this: the health poll takes it back.
@@ -85,6 +88,17 @@ async def remove_worker(router, request: Request) -> JSONResponse:
     return JSONResponse({"worker": listing(worker), "removed": worker.in_flight == 0})
 
 
+async def kv_index(router, request: Request) -> JSONResponse:
+    check_control(request, router.config.secret)
+    if request.query_params.get("url") is None:
+        return JSONResponse(router.index.stats() | {"retained_turns": len(getattr(router.sessions, "map", ()))})
+    url = one_url(request.query_params.get("url"))
+    retained = sorted(e.retention_id for e in router.sessions.map.entries.values() if e.decode_url == url) \
+        if hasattr(router.sessions, "map") else []
+    return JSONResponse({"url": url, "fresh": router.feeds.fresh(url), "blocks": sorted(k.hex() for k in
+                         router.index.held(url)), "retained": retained})
+
+
 def install(app, router) -> None:
     async def answer(handler, request: Request) -> JSONResponse:
         try:
@@ -99,6 +113,10 @@ def install(app, router) -> None:
     @app.post("/admin/workers")
     async def post_worker(request: Request):
         return await answer(add_worker, request)
+
+    @app.get("/admin/kv-index")
+    async def get_kv_index(request: Request):
+        return await answer(kv_index, request)
 
     @app.delete("/admin/workers")
     async def delete_worker(request: Request):

@@ -27,7 +27,10 @@ from kvhandoff.router.errors import Relay, deadline_error, describe
 from kvhandoff.router.native import NativeAttempt
 from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, uncached_tokens
 from kvhandoff.router.pool import Worker, WorkerPool
+from kvhandoff.router.kv_feed import Feeds
+from kvhandoff.router.kv_index import KVIndex
 from kvhandoff.router.prefix import PromptFacts, prompt_facts
+from kvhandoff.router.prompts import Prompts
 from kvhandoff.router.relay import relay_events
 from kvhandoff.router.retry import retry_elsewhere
 from kvhandoff.router.sessions import Sessions
@@ -144,9 +147,29 @@ class RouterMetrics:
                                   "(edited, expired, on a dead worker)", ["outcome"], registry=r)
         self.in_flight = Gauge("kvhandoff_router_worker_in_flight", "Requests in flight per worker",
                                ["role", "worker"], registry=r)
+        self.asked = Counter("kvhandoff_router_asked", "Lookups asked of a worker on a request's path (/kv/prompt, "
+                             "/kv/retained/find): workers whose KV events are not fresh", ["path"], registry=r)
+        self.index_tokens = Counter("kvhandoff_router_kv_index_tokens", "Prompt tokens the KV-event index said the "
+                                    "chosen prefill worker caches (predicted) and what it had (actual)", ["kind"],
+                                    registry=r)
+        self.index_misses = Counter("kvhandoff_router_kv_index_misses", "Prefills whose worker had fewer cached "
+                                    "tokens than the index said (a stale index: recomputed)", registry=r)
+        self.feeds_fresh = Gauge("kvhandoff_router_kv_events_fresh", "Workers whose KV events are synchronised and "
+                                 "current (1) or stale: asked instead (0)", ["worker"], registry=r)
+        self.feed_gaps = Gauge("kvhandoff_router_kv_event_gaps", "KV-event batches found missing by their sequence "
+                               "number (each repaired by a replay)", ["worker"], registry=r)
+        self.index_blocks = Gauge("kvhandoff_router_kv_index_blocks", "Distinct blocks in the KV-event index", registry=r)
         # Labelled children, looked up once: .labels() (validation, a lock) on ~20 samples a request
         # was a measurable share of the router's CPU.
         self.children: dict[tuple, object] = {}
+
+    def feeds(self, feeds: Feeds, index: KVIndex) -> None:
+        """The KV-event gauges, at scrape time."""
+        now = time.monotonic()
+        for url, feed in feeds.feeds.items():
+            self.child(self.feeds_fresh, url).set(1 if feed.fresh(now) else 0)
+            self.child(self.feed_gaps, url).set(feed.counters["gaps"])
+        self.index_blocks.set(len(index.holders))
 
     def child(self, metric, *labels: str):
         key = (metric, *labels)
@@ -171,7 +194,7 @@ class Router:
         self.pool = WorkerPool(config.prefill_urls, config.decode_urls,
                                on_change=self.count_in_flight,
                                decode_policy=config.decode_policy, prefill_policy=config.prefill_policy,
-                               forget_joined_after_s=config.forget_joined_after_s)
+                               forget_joined_after_s=config.forget_joined_after_s, on_polled=self.polled)
         self.leg = legs.pull if self.mode.is_pull else legs.push
         self.auth = control_headers(config.secret)
         self.upstream: Upstream | None = None           # HTTP to the workers (upstream.py)
@@ -182,6 +205,11 @@ class Router:
             self.sessions = VllmSessions(self, config.retention_ttl)
         else:
             self.attempt_class, self.sessions = NativeAttempt, Sessions(self)
+        # What each worker holds, from its KV events (kv_feed.py, kv_index.py; ours only: vLLM's
+        # routers ask vLLM's /tokenize), and the router's own tokenizer to look prompts up in it.
+        self.index = KVIndex(self.sessions if isinstance(self.sessions, Sessions) else None)
+        self.feeds = Feeds(self.index, config.secret)
+        self.prompts = Prompts()
 
     async def start(self) -> None:
         # No read timeout: a long prefill or a long generation is not a failure; the request deadline
@@ -194,7 +222,33 @@ class Router:
         for task in list(self.background):
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
+        self.feeds.close()
         await self.upstream.close()
+
+    def polled(self, worker: Worker, reachable: bool) -> None:
+        """After a worker's /health poll: follow its KV events (again, if it restarted), fetch its
+        tokenizer once; a worker that left or cannot be reached is forgotten."""
+        if self.config.engine is Engine.VLLM:
+            return
+        if not reachable:
+            self.feeds.stop(worker.url)
+            return
+        self.feeds.update(worker.url, worker.last_health)
+        about = worker.last_health.get("kv_events")
+        if isinstance(about, dict) and worker.role == "prefill":
+            fetch = self.prompts.want(self.upstream, worker.url, str(about.get("tokenizer") or ""))
+            if fetch is not None:
+                self.background.add(fetch)
+                fetch.add_done_callback(self.background.discard)
+
+    def local_facts(self, attempt: Attempt) -> PromptFacts | None:
+        """The prompt's facts made here (prompts.py), as the prefill workers whose events are fresh see it."""
+        now = time.monotonic()
+        for worker in self.pool.serving("prefill"):
+            feed = self.feeds.feeds.get(worker.url)
+            if feed is not None and feed.fresh(now):
+                return self.prompts.facts(feed.info.tokenizer, feed.info.block_size, attempt.endpoint, attempt.body)
+        return None
 
     def spawn(self, coro: Awaitable) -> None:
         task = asyncio.ensure_future(coro)
@@ -346,7 +400,9 @@ class Router:
                 "decode_policy": self.config.decode_policy.value, "prefill_policy": self.config.prefill_policy.value,
                 "disagg_min_tokens": self.config.disagg_min_tokens, "late_binding": self.config.late_binding,
                 "health_interval": self.config.health_interval,
-                "num_in_flight": self.num_in_flight, "workers": reports}
+                "num_in_flight": self.num_in_flight, "workers": reports,
+                "kv_index": {"blocks": len(self.index.holders), "tokenizers": sorted(self.prompts.tokenizers),
+                             "feeds": self.feeds.status()}}
         if missing:
             body["error"] = f"no healthy {' or '.join(missing)} worker"
         return JSONResponse(body, status_code=503 if missing else 200)
@@ -451,6 +507,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        router.metrics.feeds(router.feeds, router.index)
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE)
 
     return app

@@ -69,7 +69,21 @@ class NativeAttempt(Attempt):
         if self.mode.is_pull:
             self.remote = answer
         self.open_legs.discard("prefill")
+        self.score_index(worker, answer.prefill_cached_tokens)
         return answer
+
+    def score_index(self, worker: Worker, actual: int) -> None:
+        """What the KV-event index said this prefill worker caches of the prompt, against what it had."""
+        facts = self.facts
+        if facts is None or not facts.keys or worker.url not in facts.cached:
+            return
+        # (A worker never takes the prompt's last token from its cache: it computes at least that one.)
+        predicted = min(facts.cached[worker.url], (facts.num_tokens - 1) // facts.block_size) * facts.block_size
+        metrics = self.router.metrics
+        metrics.child(metrics.index_tokens, "predicted").inc(predicted)
+        metrics.child(metrics.index_tokens, "actual").inc(actual)
+        if actual < predicted:
+            metrics.index_misses.inc()
 
     async def read_prefill_lines(self, worker: Worker, resp: Answer) -> dict | None:
         """The prefill's JSON lines: the first token (handed on at once), then the handoff object, or

@@ -58,8 +58,10 @@ class WorkerPool:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str],
                  on_change: Callable[[Worker], None] = lambda worker: None,
                  decode_policy: DecodePolicy = DecodePolicy.FEWEST, prefill_policy: PrefillPolicy = PrefillPolicy.FEWEST,
-                 forget_joined_after_s: float = 30.0):
+                 forget_joined_after_s: float = 30.0,
+                 on_polled: Callable[[Worker, bool], None] = lambda worker, reachable: None):
         self.forget_joined_after_s = forget_joined_after_s
+        self.on_polled = on_polled                    # after each /health poll (reachable?), and on leaving (False)
         self.drained_instances: set[str] = set()      # joined workers drained by an admin: they stay out
         self.prefills = [Worker(u, "prefill") for u in prefill_urls]
         self.decodes = [Worker(u, "decode") for u in decode_urls]
@@ -177,6 +179,7 @@ class WorkerPool:
 
     def _drop(self, worker: Worker) -> None:
         self.prefix.forget(worker.url)
+        self.on_polled(worker, False)
         workers = self.of(worker.role)
         if worker in workers:
             workers.remove(worker)
@@ -190,10 +193,12 @@ class WorkerPool:
             worker.routed_since_poll = 0
             worker.load = int(worker.last_health.get("num_running", 0)) + int(worker.last_health.get("num_waiting", 0))
             status = {"status": "ok" if worker.healthy else "error", **worker.last_health}
+            self.on_polled(worker, True)
         except (UpstreamError, ValueError, TypeError) as e:   # TypeError: counts that are not numbers
             worker.healthy = False
             worker.unreachable_since = worker.unreachable_since or time.monotonic()
             self.prefix.forget(worker.url)      # it may have died: whatever it had cached is gone
+            self.on_polled(worker, False)
             status = {"status": "unreachable", "error": describe(e)}
         return {**status, "url": worker.url, "role": worker.role, "in_flight": worker.in_flight,
                 **({"draining": True} if worker.draining else {})}

@@ -1,22 +1,24 @@
 """What the router knows of each prefill worker's prefix cache, for `--prefill-policy cache-aware` and
 `--disagg-min-tokens` (policies.py).
 
-The router never sees KV. It asks the prefill workers for a request's prompt facts (`/kv/prompt`:
-how many tokens, the chain hashes of its full blocks, and how many of those the worker's prefix
-cache holds right now: the worker tokenizes and looks). Cache-aware routing asks every serving
-prefill worker at once (one round trip), so what it weighs is what each worker holds, whichever
-router sent the prompts that filled it; a lookup that needs only the hashes asks one worker.
+The router never sees KV. It tokenizes the prompt itself (prompts.py) and looks its block chain up in
+its index of the workers' KV events (kv_index.py): what each worker holds now, whichever router sent
+the prompts that filled it, with no call on the request's path. A worker whose events are not fresh
+(kv_feed.py: stopped, or a worker that does not publish) is asked instead (`/kv/prompt`: how many
+tokens, the chain hashes of its full blocks, and how many of those its cache holds right now), as is
+one of them when the router has no tokenizer yet.
 
 For a worker that did not answer, the router falls back on its own record: per prefill worker, the
 hashes of the prompts it sent there, most recent last, at most as many as that worker has blocks.
 Either way an estimate: a block may be evicted a moment later; the worker then computes it, and the
-output is the same. (A prompt still being computed counts for nothing in a worker's answer, so two
-requests with one new prefix that arrive together may go to different workers.)
+output is the same. (A prompt still being computed counts for nothing yet, so two requests with one
+new prefix that arrive together may go to different workers.)
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -31,7 +33,8 @@ class PromptFacts:
     num_tokens: int
     block_hashes: list[str]
     block_size: int
-    cached: dict[str, int] = field(default_factory=dict)     # worker URL -> leading blocks it holds, as it said
+    cached: dict[str, int] = field(default_factory=dict)     # worker URL -> leading blocks it holds (index, or its answer)
+    keys: list[bytes] = field(default_factory=list)          # block_hashes as bytes (the index's keys), when made here
 
     def cached_blocks(self, url: str, index: PrefixIndex) -> int:
         """Leading blocks of the prompt the worker at `url` holds: its answer, else this router's record."""
@@ -67,13 +70,35 @@ class PrefixIndex:
 
 
 async def prompt_facts(router, attempt, every_worker: bool = False) -> PromptFacts | None:
-    """The request's token count and block hashes, from the least-loaded prefill worker, or from every
-    serving one with what each caches (`every_worker`). None if none can say: the request then goes
-    by the other signals, and a bad request fails at the worker."""
-    workers = router.pool.serving("prefill") if every_worker else [router.pool.least_loaded("prefill")]
-    query = {"endpoint": attempt.endpoint, "request": attempt.body}
+    """The request's token count and block hashes, with what every serving prefill worker caches of it
+    (`every_worker`). From the router's own tokenizer and index where it can; else from the least-loaded
+    prefill worker (or every one whose events are not fresh). None if none can say: the request then
+    goes by the other signals, and a bad request fails at the worker."""
+    serving = router.pool.serving("prefill")
+    facts = router.local_facts(attempt)
+    if facts is None:
+        return await ask(router, attempt, serving if every_worker else [router.pool.least_loaded("prefill")])
+    if every_worker:
+        now = time.monotonic()
+        fresh = {w.url for w in serving if router.feeds.fresh(w.url, now)}
+        started = time.perf_counter_ns()
+        depth = router.index.cached_blocks(facts.keys, fresh)
+        router.index.lookup_ns.append(time.perf_counter_ns() - started)
+        facts.cached = {url: depth.get(url, 0) for url in fresh}
+        stale = [w for w in serving if w.url not in fresh]
+        if stale:
+            asked = await ask(router, attempt, stale)
+            if asked is not None and (asked.num_tokens, asked.block_hashes) == (facts.num_tokens, facts.block_hashes):
+                facts.cached.update(asked.cached)
+    return facts
 
-    async def ask(worker) -> PromptFacts | None:
+
+async def ask(router, attempt, workers: list) -> PromptFacts | None:
+    """Each of `workers` at once: the prompt's facts, and how many of its blocks each caches."""
+    query = {"endpoint": attempt.endpoint, "request": attempt.body}
+    router.metrics.asked.labels("/kv/prompt").inc(len(workers))
+
+    async def one(worker) -> PromptFacts | None:
         try:
             status, data = await router.upstream.call("POST", worker.url + "/kv/prompt", query, timeout=10.0)
             data = data if status == 200 and isinstance(data, dict) else {}
@@ -82,7 +107,7 @@ async def prompt_facts(router, attempt, every_worker: bool = False) -> PromptFac
         except (UpstreamError, ValueError, KeyError, TypeError) as e:
             log.debug("handoff %s: no prompt facts from %s (%s)", attempt.handoff_id, worker.url, e)
             return None
-    answers = [a for a in await asyncio.gather(*(ask(w) for w in workers)) if a is not None]
+    answers = [a for a in await asyncio.gather(*(one(w) for w in workers)) if a is not None]
     if not answers:
         return None
     facts = answers[0]

@@ -7,11 +7,13 @@ longest match between the new prompt's block hashes and the retained chains. The
 the prefill worker re-checks the prefix before it reads anything, so a stale entry costs a recompute,
 never a wrong token.
 
-With more than one router (`--shared-sessions`), a router's map misses the turns the others served,
-so each turn asks every decode worker instead (`/kv/retained/find`, all at once): the workers keep
-each entry with the client's session id and hash chain, and the best answer (that session's newest
-entry, or the longest prefix match) is the candidate. The decode workers are then the one place a
-conversation's whereabouts live; a router that dies loses none of them.
+The map is filled from two sides: what this router's own turns reported (remember), and the decode
+workers' KV events (kv_index.py: a turn kept, kept again, let go; a worker cleared), which every
+router reads, so that with more than one router (`--shared-sessions`) each knows the turns the others
+served without asking. The decode workers stay the one place a conversation's whereabouts live: a
+router that starts late or restarts reads them back from the events' replay. A decode worker whose
+events are not fresh (kv_feed.py) is asked on the turn's path instead (`/kv/retained/find`), for the
+session's newest entry or the longest prefix match.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvhandoff.router.upstream import UpstreamError
+from kvhandoff.wire import kv_events as E
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.cost import common_prefix_blocks
 
@@ -39,6 +42,7 @@ class SessionEntry:
     expiry: float               # time.monotonic()
     nbytes: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    kept_at: float = field(default_factory=time.time)       # when the worker kept it (wall clock: events' ts)
 
     def candidate(self) -> dict:
         """What the prefill worker is told (kv_transfer_params.reuse)."""
@@ -51,6 +55,7 @@ class SessionMap:
         self.max_entries = max_entries
         self.entries: OrderedDict[str, SessionEntry] = OrderedDict()      # least recently used first
         self.by_first_block: dict[str, set[str]] = {}                     # first block hash -> keys
+        self.by_retention: dict[str, str] = {}                            # retention id -> key
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -77,6 +82,7 @@ class SessionMap:
     def record(self, entry: SessionEntry) -> None:
         self.drop(entry.key)
         self.entries[entry.key] = entry
+        self.by_retention[entry.retention_id] = entry.key
         if entry.block_hashes:
             self.by_first_block.setdefault(entry.block_hashes[0], set()).add(entry.key)
         while len(self.entries) > self.max_entries:
@@ -84,6 +90,8 @@ class SessionMap:
 
     def drop(self, key: str) -> SessionEntry | None:
         entry = self.entries.pop(key, None)
+        if entry is not None and self.by_retention.get(entry.retention_id) == key:
+            del self.by_retention[entry.retention_id]
         if entry is not None and entry.block_hashes:
             keys = self.by_first_block.get(entry.block_hashes[0])
             if keys is not None:
@@ -92,11 +100,19 @@ class SessionMap:
                     del self.by_first_block[entry.block_hashes[0]]
         return entry
 
+    def drop_retained(self, retention_id: str) -> SessionEntry | None:
+        """Drop the entry of this retained turn, unless its conversation has moved on to another."""
+        key = self.by_retention.get(retention_id)
+        entry = self.entries.get(key) if key is not None else None
+        return self.drop(key) if entry is not None and entry.retention_id == retention_id else None
+
     def sweep(self) -> list[SessionEntry]:
         """Drop and return the expired entries."""
         now = time.monotonic()
         return [self.drop(key) for key, entry in list(self.entries.items()) if entry.expiry <= now]
 
+
+DEFAULT_TTL_S = 480.0           # a worker's retention ttl when its events do not say (worker/config.py's default)
 
 # A decode worker that does not answer a lookup in this long is skipped (its turns are recomputed):
 # the lookup is on every bidirectional turn's critical path.
@@ -114,30 +130,55 @@ class Sessions:
 
     async def find(self, attempt) -> SessionEntry | None:
         """Where this conversation's history is kept: by the client's session id, else by the longest
-        block-hash match of the prompt (its hashes come from a prefill worker, which tokenizes)."""
+        block-hash match of the prompt (its hashes made by the router, or by a prefill worker)."""
         now = time.monotonic()
         if now - self.last_sweep > 1.0:
             self.last_sweep = now
             for entry in self.map.sweep():
                 log.debug("session %s: retained KV expired", entry.key)
-        shared = self.router.config.shared_sessions
+        # With one router its map knows every turn; with several, the events tell it the others' turns,
+        # and only the decode workers whose events are not fresh are asked.
+        stale = [w for w in self.router.pool.serving("decode") if not self.router.feeds.fresh(w.url, now)] \
+            if self.router.config.shared_sessions else []
         if attempt.session_id is not None:
-            return await self.ask_workers(attempt.session_id, []) if shared else self.map.get(attempt.session_id)
-        if not shared and not len(self.map):
+            return self.map.get(attempt.session_id) or (await self.ask_workers(stale, attempt.session_id, [])
+                                                        if stale else None)
+        if not stale and not len(self.map):
             return None
         if await self.router.prompt_facts(attempt) is None:
             log.warning("handoff %s: no prompt hashes from a prefill worker: no reuse", attempt.handoff_id)
             return None
         hashes = attempt.facts.block_hashes
-        if shared:
-            return await self.ask_workers(None, hashes) if hashes else None
-        return self.map.match(hashes)
+        return self.map.match(hashes) or (await self.ask_workers(stale, None, hashes) if stale and hashes else None)
 
-    async def ask_workers(self, session_id: str | None, hashes: list[str]) -> SessionEntry | None:
-        """Every serving decode worker at once: the conversation's newest retained turn (by session id),
-        else the one sharing the most leading blocks with the prompt. Recorded in this router's map
-        too, so that remember() frees it once the turn it serves is kept elsewhere."""
+    def event_retained(self, url: str, event: E.BlockStored, ttl_s: float | None, kept_at: float) -> None:
+        """A decode worker's event (published at `kept_at`, wall clock): it keeps, or kept again, a turn."""
+        retention_id = event.ownership or ""
+        key = event.session_id or f"anon:{retention_id}"
+        current = self.map.entries.get(key)
+        if current is not None and current.retention_id != retention_id and current.kept_at > kept_at:
+            return          # an older turn's event, read after the newer turn's (from another worker's feed)
+        hashes = [h.hex() if isinstance(h, bytes) else str(h) for h in event.block_hashes]
+        self.map.record(SessionEntry(key, url, retention_id, len(event.token_ids), hashes,
+                                     time.monotonic() + (ttl_s if ttl_s is not None else DEFAULT_TTL_S),
+                                     kept_at=kept_at))
+
+    def event_unretained(self, url: str, event: E.BlockRemoved) -> None:
+        """A decode worker's event: a kept turn expired, was evicted or superseded."""
+        if event.ownership:
+            self.map.drop_retained(event.ownership)
+
+    def worker_cleared(self, url: str) -> None:
+        """A decode worker restarted or left (or sends a snapshot): none of its turns is kept any more."""
+        for key in [k for k, entry in self.map.entries.items() if entry.decode_url == url]:
+            self.map.drop(key)
+
+    async def ask_workers(self, workers: list, session_id: str | None, hashes: list[str]) -> SessionEntry | None:
+        """These decode workers at once: the conversation's newest retained turn (by session id), else
+        the one sharing the most leading blocks with the prompt. Recorded in this router's map too, so
+        that remember() frees it once the turn it serves is kept elsewhere."""
         query = M.RetainedQuery(session=session_id, block_hashes=hashes).to_dict()
+        self.router.metrics.asked.labels("/kv/retained/find").inc(len(workers))
 
         async def ask(worker) -> tuple[str, M.Retained, int] | None:
             try:
@@ -151,7 +192,7 @@ class Sessions:
             except (UpstreamError, M.MessageError, ValueError, TypeError) as e:
                 log.info("session lookup on %s failed (%s): that worker's turns are recomputed", worker.url, e)
                 return None
-        answers = [a for a in await asyncio.gather(*(ask(w) for w in self.router.pool.serving("decode"))) if a]
+        answers = [a for a in await asyncio.gather(*(ask(w) for w in workers)) if a]
         if not answers:
             return None
         url, retained, _ = max(answers, key=lambda a: (a[2], a[1].expires_in_s))

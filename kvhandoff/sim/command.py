@@ -8,10 +8,17 @@ then (given rates) run it on fleets and loads real hardware here cannot reach.
     kvhandoff simulate --calibrate bench-out --prefill 8 --decode 32 --rates 50,100 --bindings early,late \
         --links free,10gbit,1gbit --transfer layerwise --output-cv 0,1,2         # where each binding wins
 
+    kvhandoff simulate --calibrate bench-out --prefill 500 --decode 500 --rates 500,1000 \
+        --router-costs router-bench/results.json --routers 1,2,4                    # the routers' own cost
+
 The first form replays the calibration point's own arrivals and lengths on its own fleet and prints
 each phase's median, real against simulated. The second prints TTFT and TPOT p50/p90/p99, goodput
 and late-binding moves per (link, output-length spread, rate, policy, binding), and with more than
-one binding the best one per point. `--json FILE` writes everything.
+one binding the best one per point. `--json FILE` writes everything. With `--router-costs` (the
+results.json of `python -m kvhandoff.bench.router --workers N`) the routers are in the model too: it
+prints the requests/s `--routers` routers can decide for this fleet, and each point is simulated
+behind each number of routers (fleet.RouterCosts: a router's decision, the events every router
+absorbs, its polls).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from pathlib import Path
 
 from kvhandoff.launch.netlink import LinkSpec
 from kvhandoff.sim.calibrate import Costs, computed_tokens, fit, load_run, phase, usable
-from kvhandoff.sim.fleet import BINDINGS, POLICIES, Fleet, Job, Link, poisson_jobs
+from kvhandoff.sim.fleet import BINDINGS, POLICIES, Fleet, Job, Link, RouterCosts, Routing, poisson_jobs
 
 COMPARED = ("prefill_queue", "prefill_compute", "transfer", "ttft", "tpot")
 TOLERANCE = 0.15            # issue 14: the fitted costs reproduce the calibration run's medians within 15%
@@ -76,13 +83,17 @@ def scaled(costs: Costs, args) -> list[dict]:
         for cv in args.output_cv:
             for rate in args.rates:
                 jobs = poisson_jobs(costs, rate, args.requests, args.seed, cv)
-                for policy in args.policies:
-                    for binding in args.bindings:
-                        fleet = Fleet(costs, args.prefill, args.decode, policy, binding, args.poll_s, args.seed, link)
-                        done = fleet.run([Job(j.index, j.arrival_s, j.prompt_tokens, j.output_tokens, j.computed_tokens)
-                                          for j in jobs])
-                        points.append({"link": link_name, "output_cv": cv, "rate": rate, "policy": policy,
-                                       "binding": binding, **measures(done, args)})
+                for routers in args.routers:
+                    routing = Routing(args.router_costs, routers, rate) if args.router_costs else None
+                    for policy in args.policies:
+                        for binding in args.bindings:
+                            fleet = Fleet(costs, args.prefill, args.decode, policy, binding, args.poll_s, args.seed,
+                                          link, routing=routing)
+                            done = fleet.run([Job(j.index, j.arrival_s, j.prompt_tokens, j.output_tokens,
+                                                  j.computed_tokens) for j in jobs])
+                            points.append({"link": link_name, "output_cv": cv, "rate": rate, "policy": policy,
+                                           "binding": binding, "routers": routers if routing else None,
+                                           **measures(done, args)})
     return points
 
 
@@ -139,13 +150,24 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {name:<16} real {r['real_ms']:9.2f}  simulated {r['sim_ms']:9.2f}  "
               f"error {r['error'] * 100 if r['error'] is not None else 0:5.1f}%  "
               f"{'ok' if r['within'] else 'OFF (over 15% and 1 ms)'}")
+    if args.router_costs:
+        router = args.router_costs
+        workers = args.prefill + args.decode
+        report["routers"] = {"costs": router.__dict__, "max_rate": {r: router.max_rate(r, workers) for r in args.routers}}
+        print(f"\nthe routers (measured at {router.measured_workers} workers: {router.decision_ms:.3f} ms of CPU a "
+              f"request, {router.blocks_per_request:.1f} block events a request at {router.us_per_block:.2f} us each, "
+              f"{router.idle_ms_per_worker_s:.3f} ms per worker and second idle):")
+        for r, rate in report["routers"]["max_rate"].items():
+            print(f"  {r} router{'s' if r > 1 else ''} in front of {workers} workers: at most {rate:,.0f} requests/s "
+                  "(one core each)")
     if args.rates:
         report["scaled"] = scaled(costs, args)
         print(f"\n{args.prefill}P/{args.decode}D, {args.requests} requests per point, seed {args.seed}:")
-        print(f"{'link':>8} {'cv':>5} {'rate':>7} {'policy':<17} {'binding':<10} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
-              f"{'TPOT p50':>9} {'p90':>7} {'p99':>7} {'goodput':>8} {'moved':>6}")
+        print(f"{'link':>8} {'cv':>5} {'rate':>7} {'routers':>7} {'policy':<17} {'binding':<10} {'TTFT p50':>9} "
+              f"{'p90':>8} {'p99':>8} {'TPOT p50':>9} {'p90':>7} {'p99':>7} {'goodput':>8} {'moved':>6}")
         for p in report["scaled"]:
-            print(f"{p['link']:>8} {fmt_cv(p['output_cv']):>5} {p['rate']:>7g} {p['policy']:<17} {p['binding']:<10} "
+            print(f"{p['link']:>8} {fmt_cv(p['output_cv']):>5} {p['rate']:>7g} {p['routers'] or '-':>7} "
+                  f"{p['policy']:<17} {p['binding']:<10} "
                   f"{p['ttft_p50_ms']:9.1f} {p['ttft_p90_ms']:8.1f} {p['ttft_p99_ms']:8.1f} {p['tpot_p50_ms']:9.2f} "
                   f"{p['tpot_p90_ms']:7.2f} {p['tpot_p99_ms']:7.2f} {p['goodput']:8.0%} {p['moved']:>6}")
         if len(args.bindings) > 1:
@@ -181,11 +203,18 @@ def defaults(args: argparse.Namespace, costs: Costs) -> None:
     except ValueError:
         raise SystemExit(f"kvhandoff simulate: --output-cv takes numbers or 'run', not {args.output_cv!r}") from None
     args.transfer = args.transfer or ("layerwise" if costs.mode == "push-layerwise" else "whole")
+    try:
+        args.routers = [int(x) for x in args.routers.split(",") if x.strip()] or [1]
+        args.router_costs = RouterCosts.from_bench(json.loads(args.router_costs.read_text())) \
+            if args.router_costs else None
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        raise SystemExit(f"kvhandoff simulate: --routers/--router-costs: {exc}") from None
     args.prefill = args.prefill or len(costs.prefill_workers)
     args.decode = args.decode or len(costs.decode_workers)
     bad = ([f"policy {p!r}" for p in args.policies if p not in POLICIES]
            + [f"binding {b!r}" for b in args.bindings if b not in BINDINGS]
            + [f"rate {r:g}" for r in args.rates if r <= 0]
+           + [f"{r} routers" for r in args.routers if r < 1]
            + [f"output cv {c:g}" for c in args.output_cv if c is not None and c < 0]
            + ([f"{args.prefill} prefill and {args.decode} decode workers"] if min(args.prefill, args.decode) < 1 else []))
     if bad:
@@ -215,6 +244,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-cv", default="run", help="output lengths: run (the run's) or coefficients of variation "
                                                       "of a lognormal with the run's mean, comma-separated, e.g. "
                                                       "0,1,2 (default: %(default)s)")
+    p.add_argument("--router-costs", type=Path, default=None, metavar="FILE",
+                   help="results.json of `python -m kvhandoff.bench.router --workers N`: model the routers' cost")
+    p.add_argument("--routers", default="1", help="routers in front of the fleet, comma-separated (with --router-costs; "
+                                                  "default: %(default)s)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)

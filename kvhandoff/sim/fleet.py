@@ -100,6 +100,51 @@ class Decoder:
 
 
 @dataclass(frozen=True)
+class RouterCosts:
+    """What a router costs, as `python -m kvhandoff.bench.router --workers N` measured it (its
+    results.json; the row with the most workers): the CPU of one request's decision and relay, the
+    block events a request causes (stored and evicted; every router absorbs every worker's) and what
+    each costs it, and the CPU it spends per worker and second with no request (health polls,
+    heartbeats). A router is one core: it serves its share of the requests in turn, each slower by
+    the share of its core the events and polls take."""
+    decision_ms: float
+    blocks_per_request: float
+    us_per_block: float
+    idle_ms_per_worker_s: float
+    measured_workers: int
+
+    @classmethod
+    def from_bench(cls, rows: list[dict]) -> "RouterCosts":
+        indexed = [r for r in rows if r.get("index") and r.get("idle_cpu_ms_per_s") is not None]
+        if not indexed:
+            raise ValueError("no row of `python -m kvhandoff.bench.router --workers N` (its results.json) in it")
+        row = max(indexed, key=lambda r: r["workers"])
+        blocks = row["events_per_s"] / row["requests_per_s"]
+        idle = row["idle_cpu_ms_per_s"] / row["workers"]
+        # The load's CPU per request holds its decision, its share of the events, and the idle polls.
+        decision = (row["cpu_ms_per_request"] - blocks * row["apply_us_per_block"] / 1e3
+                    - row["idle_cpu_ms_per_s"] / row["requests_per_s"])
+        return cls(max(decision, 0.0), blocks, row["apply_us_per_block"], idle, row["workers"])
+
+    def background_share(self, rate: float, workers: int) -> float:
+        """Of each router's core: every worker's events at `rate` requests/s, and every worker's polls."""
+        return rate * self.blocks_per_request * self.us_per_block / 1e6 + workers * self.idle_ms_per_worker_s / 1e3
+
+    def max_rate(self, routers: int, workers: int) -> float:
+        """Requests/s the routers can decide: (rate / routers) x decision + background <= one core each."""
+        spare = 1.0 - workers * self.idle_ms_per_worker_s / 1e3
+        return max(0.0, spare) / (self.decision_ms / 1e3 / routers + self.blocks_per_request * self.us_per_block / 1e6)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routers in front of a simulated fleet (None in Fleet: a router that costs nothing)."""
+    costs: RouterCosts
+    routers: int = 1
+    rate: float = 0.0                # the arrival rate, for the events' share of each router's core
+
+
+@dataclass(frozen=True)
 class Link:
     """The link between prefill and decode workers; bits_per_s None: the transfer as fitted."""
     bits_per_s: float | None = None
@@ -110,8 +155,10 @@ class Link:
 class Fleet:
     def __init__(self, costs: Costs, num_prefill: int, num_decode: int, policy: str | None = None,
                  binding: str | None = None, poll_s: float | None = None, seed: int = 0,
-                 link: Link = Link(), token_budget: int = 512):
+                 link: Link = Link(), token_budget: int = 512, routing: Routing | None = None):
         self.costs = costs
+        self.routing = routing
+        self.router_free = [0.0] * (routing.routers if routing else 0)     # when each router is next idle
         self.token_budget = token_budget
         self.link = link
         self.link_free = [0.0] * num_prefill         # when each prefill worker's link is next idle
@@ -205,7 +252,22 @@ class Fleet:
         if self.binding != "late":
             self.bind(job, self.pick_decode())
         job.ingress = self.rng.choice(self.costs.ingress_ms) / 1e3 if self.costs.ingress_ms else 0.0
+        job.ingress += self.router_wait(job)
         self.at(self.now + job.ingress + self.costs.admission_ms / 1e3, self.admitted, job)
+
+    def router_wait(self, job: Job) -> float:
+        """Its turn on its router (the kernel spreads connections: in turn) and its decision there, the
+        router's core shared with every worker's events and polls (s; 0 without a router model)."""
+        if self.routing is None:
+            return 0.0
+        router = job.index % self.routing.routers
+        workers = len(self.prefill_queues) + len(self.decoders)
+        spare = max(0.01, 1.0 - self.routing.costs.background_share(self.routing.rate, workers))
+        decision = self.routing.costs.decision_ms / 1e3
+        start = max(self.now, self.router_free[router])
+        self.router_free[router] = start + decision / spare
+        # (The calibrated ingress holds one decision of a lightly loaded router already.)
+        return max(0.0, self.router_free[router] - self.now - decision)
 
     def admitted(self, job: Job) -> None:
         job.to_prefill = max(1, job.computed_tokens)

@@ -11,6 +11,8 @@ Enabled only by `kvhandoff serve --inject-faults SPEC`, never by default. SPEC i
   fails what it had and stops itself with status 1 (so that a supervisor starts a fresh one).
 - `drop=KIND[+KIND]`: notifications of these kinds are not sent (done, failed, release, renew, cancel,
   unlease); `delay_ms=N`: every notification is sent N ms late.
+- `drop_events=N`: every Nth KV-event batch this worker publishes is not sent (it stays in the replay
+  buffer): a batch lost on the way, which a router must find by its sequence number and replay.
 - `kill_at=PHASE`: the worker SIGKILLs itself (a crash: no cleanup, no goodbye) the first time one of
   its handoffs reaches PHASE:
   `registered`: prefill, push: a registration arrived; prefill, pull: the prompt's KV is pinned for a
@@ -49,6 +51,7 @@ class Faults:
     delay_ms: float = 0.0
     kill_at: str | None = None
     engine_fail: bool = False
+    drop_events: int = 0
 
     @classmethod
     def parse(cls, spec: str | None) -> "Faults":
@@ -66,6 +69,8 @@ class Faults:
                 faults.drop |= kinds
             elif key in ("delay_ms", "slow_ms", "step_ms", "verify_ms") and value:
                 setattr(faults, key, float(value))
+            elif key == "drop_events" and value.isdigit() and int(value) > 0:
+                faults.drop_events = int(value)
             elif key == "kill_at" and value in KILL_PHASES:
                 faults.kill_at = value
             else:
@@ -75,7 +80,8 @@ class Faults:
     @property
     def any(self) -> bool:
         return (self.read_fail or self.write_fail or bool(self.drop) or self.delay_ms > 0 or self.slow_ms > 0
-                or self.step_ms > 0 or self.verify_ms > 0 or self.kill_at is not None or self.engine_fail)
+                or self.step_ms > 0 or self.verify_ms > 0 or self.kill_at is not None or self.engine_fail
+                or self.drop_events > 0)
 
     def reached(self, phase: str, handoff_id: str, delay_s: float = 0.0) -> None:
         """A handoff of this worker reached `phase`: die here if told to."""

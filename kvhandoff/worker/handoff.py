@@ -25,6 +25,7 @@ from kvhandoff.wire.auth import check_control, control_headers
 from kvhandoff.wire.http import CHAT, StreamingAnswer, describe, read_json_object
 from kvhandoff.wire.modes import ROLES
 from kvhandoff.worker.connector import Connector
+from kvhandoff.worker.kv_events import Publisher
 from kvhandoff.worker.reuse import lease_retained
 from kvhandoff.worker.runtime import ControlClient, HandoffError
 from kvhandoff.worker.server import RequestStream, Server
@@ -72,9 +73,13 @@ def api_error(exc: HandoffError | M.MessageError, param: str | None = None) -> P
 
 
 class WorkerHandoff:
-    def __init__(self, server: Server, connector: Connector, role: str, secret: bytes):
+    def __init__(self, server: Server, connector: Connector, role: str, secret: bytes,
+                 publisher: Publisher | None = None):
         assert role in ROLES
         self.server, self.connector, self.role, self.secret = server, connector, role, secret
+        self.publisher = publisher
+        # Lookups routers made on a request's path (a router without this worker's events asks instead).
+        self.asked = {"/kv/prompt": 0, "/kv/retained/find": 0}
         self.rt = connector.rt
         self.rt.control = HTTPControl(secret)
         r = server.metrics.registry
@@ -218,8 +223,12 @@ class WorkerHandoff:
     def health(self) -> dict:
         """What /health adds on this worker: a bidirectional prefill's reuse rates (the router's
         three-way choice among its cache, a fetch and recomputing reads them)."""
-        reuse = self.connector.reuse
-        return {"reuse_rates": reuse.cost_model.rates()} if self.role == "prefill" and reuse.enabled else {}
+        reuse, health = self.connector.reuse, {"asked": dict(self.asked)}
+        if self.publisher is not None:
+            retention = self.connector.retention
+            health["kv_events"] = self.publisher.health(retention.cfg.ttl_s if retention is not None else None,
+                                                        self.server.info.tokenizer.fingerprint)
+        return health | ({"reuse_rates": reuse.cost_model.rates()} if self.role == "prefill" and reuse.enabled else {})
 
     def info(self) -> dict:
         rt = self.rt
@@ -253,6 +262,26 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
     async def kv_info(request: Request):
         check_control(request, secret)
         return handoff.info()
+
+    @app.get("/kv/tokenizer")
+    async def kv_tokenizer(request: Request):
+        """The files this worker's tokenizer was made from: a router tokenizes prompts as the workers do,
+        to look them up in its index of what each worker holds (router/kv_index.py). Once per router
+        and tokenizer (`kv_events.tokenizer` in /health is their fingerprint)."""
+        check_control(request, secret)
+        return {"fingerprint": server.info.tokenizer.fingerprint, "files": server.info.tokenizer.files}
+
+    @app.get("/kv/held")
+    async def kv_held(request: Request):
+        """What this worker holds now, as its KV events have told the routers: its prefix cache's block
+        hashes and its retained turns (a router's index is checked against it: tests, operators)."""
+        check_control(request, secret)
+        retention, pool = connector.retention, handoff.rt.loop.engine.pool
+
+        def look() -> dict:
+            return {"blocks": sorted(h.hex() for h in pool.cached),
+                    "retained": sorted(retention.sessions) if retention is not None else []}
+        return await asyncio.wrap_future(handoff.rt.loop.call(look))
 
     @app.post("/kv/register")
     async def kv_register(request: Request):
@@ -323,6 +352,7 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         """Bidirectional, decode side: does this worker keep the history a router is looking for
         (by session id or block hashes)? Any router asks, whichever served the previous turn."""
         message = await control_message(request, secret, M.RetainedQuery, "/kv/retained/find")
+        handoff.asked["/kv/retained/find"] += 1
         retention = connector.retention
         return {"retained": None if retention is None else retention.find(message)}
 
@@ -331,6 +361,7 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         """The block hashes a request's prompt has here: the router finds a conversation's retained KV
         by them (bidirectional, a client that names no session) and estimates prefix-cache hits."""
         query = await control_message(request, secret, M.PromptQuery, "/kv/prompt")
+        handoff.asked["/kv/prompt"] += 1
         chat = query.endpoint == CHAT
         try:
             parsed = (P.ChatCompletionRequest if chat else P.CompletionRequest).model_validate(query.request)

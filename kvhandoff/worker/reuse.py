@@ -25,14 +25,15 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from kvhandoff.engine.block_pool import hash_chain
 from kvhandoff.engine.request import RequestOutput, RetainedKV, SamplingParams
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.cost import CostModel, ReuseConfig, ReuseDecision, ReuseWay, common_prefix_blocks, decide
 from kvhandoff.worker.config import RetentionConfig
+from kvhandoff.worker.kv_events import RETAINED, UNRETAINED
 from kvhandoff.worker.runtime import HandoffError, Incoming, Runtime, Side
 
 if TYPE_CHECKING:      # (the router imports this module for its router legs: no engine, no torch)
@@ -53,6 +54,10 @@ class Session:
     expiry: float                       # time.monotonic()
     block_hashes: list[str]             # hex chain hashes of its full blocks
     key: str | None = None              # the client's session id, if it named one
+    token_ids: list[int] = field(default_factory=list)     # its full blocks' tokens (published: kv_events.py)
+
+    def stored_event(self) -> tuple:
+        return (RETAINED, self.retention_id, self.key, [bytes.fromhex(h) for h in self.block_hashes], self.token_ids)
 
     def retained(self, now: float) -> M.Retained:
         """What a router needs to find and read it again."""
@@ -75,6 +80,8 @@ class Retention:
         self._lock = threading.Lock()
         self._lease_ids = itertools.count()
         self.engine.on_evict = self._evicted
+        # What it keeps and lets go, for the worker's event publisher (worker/kv_events.py); engine thread.
+        self.publish: Callable[[list[tuple]], None] | None = None
 
     def attach(self, rt: Runtime) -> None:
         rt.on(M.Unlease, None, lambda peer, note, _: self.loop.call(lambda: self.unlease(note.lease_id)))
@@ -87,10 +94,13 @@ class Retention:
         now = time.monotonic()
         session = Session(entry.retention_id, entry.num_tokens, len(entry.block_ids),
                           len(entry.block_ids) * self.block_bytes, now + self.cfg.ttl_s,
-                          [h.hex() for h in entry.block_hashes], key)
+                          [h.hex() for h in entry.block_hashes], key,
+                          entry.token_ids[:len(entry.block_hashes) * self.engine.block_size])
         with self._lock:
             self.sessions[session.retention_id] = session
             self.counters["retained"] += 1
+        if self.publish is not None:
+            self.publish([session.stored_event()])
         if supersedes and supersedes != entry.retention_id and self._release(supersedes):
             self.counters["superseded"] += 1
         self._enforce_cap()
@@ -111,7 +121,9 @@ class Retention:
     def _release(self, retention_id: str) -> bool:
         """Forget an entry and free its blocks; blocks under a reverse read are freed when it ends."""
         with self._lock:
-            known = self.sessions.pop(retention_id, None) is not None
+            session = self.sessions.pop(retention_id, None)
+        self._published_removal(session)
+        known = session is not None
         entry = self.engine.retained(retention_id)
         if entry is not None and entry.readers > 0:
             return True                     # unlease() frees it
@@ -120,8 +132,18 @@ class Retention:
     def _evicted(self, retention_id: str) -> None:
         """The engine needed the blocks for a request (pressure eviction)."""
         with self._lock:
-            self.sessions.pop(retention_id, None)
+            session = self.sessions.pop(retention_id, None)
+        self._published_removal(session)
         self.counters["evictions"] += 1
+
+    def _published_removal(self, session: Session | None) -> None:
+        if session is not None and self.publish is not None:
+            self.publish([(UNRETAINED, session.retention_id, [bytes.fromhex(h) for h in session.block_hashes])])
+
+    def snapshot(self) -> list[tuple]:
+        """Every entry kept now, as the events that stored it (the publisher's snapshot; engine thread)."""
+        with self._lock:
+            return [s.stored_event() for s in self.sessions.values()]
 
     def lease(self, retention_id: str, num_blocks: int) -> dict | None:
         """Hold an entry in place for a reverse read of its first `num_blocks` blocks; None if it is
