@@ -14,7 +14,7 @@ import pytest
 import zmq
 from conftest import ServerProcess
 from test_fleet import asked, indexed
-from test_router import SECRET, start_router, wait_until
+from test_router import SECRET, start_router
 
 from kvhandoff.engine.block_pool import hash_chain
 from kvhandoff.router.kv_index import KVIndex
@@ -92,14 +92,18 @@ def differences(router_url: str, urls: list[str]) -> dict:
         for what in ("blocks", "retained"):
             extra, missing = set(mine[what]) - set(theirs[what]), set(theirs[what]) - set(mine[what])
             if extra or missing:
-                found[f"{url} {what}"] = {"only in the index": len(extra), "only on the worker": len(missing),
+                found[f"{url} {what}"] = {"only in the index": sorted(extra)[:3], "only on the worker": sorted(missing)[:3],
                                           "on the worker": len(theirs[what])}
     return found
 
 
-def agrees(router_url: str, urls: list[str]) -> bool:
-    """The router's index holds, block for block and turn for turn, what each worker says it holds."""
-    return not differences(router_url, urls)
+def agree(router_url: str, urls: list[str], timeout: float) -> None:
+    """Until the router's index holds, block for block and turn for turn, what each worker says it
+    holds (events take a moment to travel); what still differs when the time is up fails the test."""
+    deadline = time.monotonic() + timeout
+    while found := differences(router_url, urls):
+        assert time.monotonic() < deadline, f"{router_url}'s index differs from the workers': {found}"
+        time.sleep(0.1)
 
 
 def chat_turns(url: str, seed: int, turns: int) -> None:
@@ -136,8 +140,7 @@ def test_routers_index_what_workers_hold_from_their_events_and_never_ask(workers
                 done.result()
         assert asked(prefills + decodes) == before, "a router asked a worker on a request's path"
         for r in (first, second):
-            wait_until(lambda: agrees(r.url, prefills + decodes), f"{r.url}'s index differs from the workers': "
-                       f"{differences(r.url, prefills + decodes)}", timeout=5)
+            agree(r.url, prefills + decodes, timeout=5)
         retained = sum(len(held(u)["retained"]) for u in decodes)
         assert retained >= 6, retained
         stats = httpx.get(decodes[0] + "/health", timeout=10).json()
@@ -148,8 +151,7 @@ def test_routers_index_what_workers_hold_from_their_events_and_never_ask(workers
         # A router that starts now: its replay (a snapshot, or the buffered batches) gives the same index.
         started = time.monotonic()
         late = router(tmp_path, workers, "late")
-        wait_until(lambda: agrees(late.url, prefills + decodes), "the late router's index differs: "
-                   f"{differences(late.url, prefills + decodes)}", timeout=10)
+        agree(late.url, prefills + decodes, timeout=10)
         ready_s = time.monotonic() - started
         feeds = httpx.get(late.url + "/health", timeout=10).json()["kv_index"]["feeds"]
         assert max(f["resync_ms"] for f in feeds.values()) < 1000, feeds
@@ -193,8 +195,7 @@ def test_a_router_restarted_mid_load_resyncs_within_a_second(workers, tmp_path):
         stop.set()
         thread.join(120)
         assert not errors, errors
-        wait_until(lambda: agrees(restarted.url, prefills + decodes), "the restarted router's index differs: "
-                   f"{differences(restarted.url, prefills + decodes)}", timeout=5)
+        agree(restarted.url, prefills + decodes, timeout=5)
         print(f"restarted router: every feed synchronised {synced_s * 1e3:.0f} ms after it answered")
     finally:
         stop.set()

@@ -10,7 +10,7 @@ aiohttp on uvloop, one process, far cheaper per request than the router it serve
 With `--ports P1,P2,...` one process serves many workers (the router benchmark's `--workers N`), each
 with what a real one would hold: an LRU of prefix-cache blocks (`--capacity` of them) that every prompt
 it prefills refreshes and fills, evicting the oldest, and on a decode worker the conversations it
-keeps (one retained turn per session, `X-Session-Id`), published as the real workers publish them
+keeps (one retained turn per session the router names), published as the real workers publish them
 (KV events: kvhandoff/worker/kv_events.py, with the same secret), so that the router indexes a fleet
 of that size at the events' natural rate.
 """
@@ -165,7 +165,7 @@ def report(request: web.Request, rid: str, kv: dict) -> dict:
     answer = {"handoff_id": rid, "mode": kv.get("mode"), "decode_worker": "instant", "bytes_transferred": 0,
               "blocks": 1, "decode_cached_tokens": 0, "kv_source": "remote",
               "phases_ms": {"handoff_wait": 0.0, "transfer": 0.0, "decode_queue": 0.0, "first_step": 0.0}}
-    holdings, prompt, session = request.app["holdings"], request.app["prompt"], request.headers.get("x-session-id")
+    holdings, prompt, session = request.app["holdings"], request.app["prompt"], kv.get("session")
     if holdings is not None and kv.get("retain") and session and isinstance(prompt, list):
         answer["retained"] = holdings.kept(session, prompt)
     return answer

@@ -243,11 +243,11 @@ class Router:
 
     def local_facts(self, attempt: Attempt) -> PromptFacts | None:
         """The prompt's facts made here (prompts.py), as the prefill workers whose events are fresh see it."""
-        now = time.monotonic()
+        fresh = self.feeds.fresh_urls()
         for worker in self.pool.serving("prefill"):
-            feed = self.feeds.feeds.get(worker.url)
-            if feed is not None and feed.fresh(now):
-                return self.prompts.facts(feed.info.tokenizer, feed.info.block_size, attempt.endpoint, attempt.body)
+            if worker.url in fresh:
+                info = self.feeds.feeds[worker.url].info
+                return self.prompts.facts(info.tokenizer, info.block_size, attempt.endpoint, attempt.body)
         return None
 
     def spawn(self, coro: Awaitable) -> None:

@@ -17,6 +17,7 @@ nobody listens any more and aborts the request, freeing its blocks.
 from __future__ import annotations
 
 import asyncio
+import math
 import json
 import logging
 import time
@@ -158,7 +159,7 @@ class Attempt:
     # -- what the protocols' router legs call (handoff/pull.py, push.py) -----------------------------
     def pick(self, role: str, prefer: str | None = None) -> Worker:
         estimates = self.reuse_estimates() if role == "prefill" else None
-        cost = (lambda w: estimates[w.url]["est_ms"]) if estimates else None
+        cost = (lambda w: estimates[w.url]["est_ms"] if w.url in estimates else math.inf) if estimates else None
         worker = self.router.pool.pick(role, self.excluded, prefer, self.facts, cost)
         if estimates:
             self.route_decision = {"choice": estimates[worker.url]["option"], "prefill_worker": worker.url,

@@ -26,6 +26,7 @@ from kvhandoff.wire import kv_events as E
 
 log = logging.getLogger("kvhandoff.router")
 REPLAY_TIMEOUT_S = 5.0
+FRESH_CACHE_S = 0.1
 
 
 @dataclass
@@ -51,6 +52,8 @@ class Feeds:
         self.index, self.secret = index, secret
         self.context = zmq.asyncio.Context()
         self.feeds: dict[str, Feed] = {}
+        self.fresh_set: frozenset[str] = frozenset()
+        self.fresh_at = float("-inf")
 
     def update(self, url: str, health: dict | None) -> None:
         """After each /health poll of a worker: follow its events, or again where it restarted."""
@@ -87,6 +90,15 @@ class Feeds:
         feed = self.feeds.get(url)
         return feed is not None and feed.fresh(time.monotonic() if now is None else now)
 
+    def fresh_urls(self) -> frozenset[str]:
+        """The workers whose events are fresh, as of at most FRESH_CACHE_S ago: read on every request,
+        so not rebuilt for each (a feed goes stale over seconds, not within this)."""
+        now = time.monotonic()
+        if now - self.fresh_at > FRESH_CACHE_S:
+            self.fresh_set = frozenset(url for url, feed in self.feeds.items() if feed.fresh(now))
+            self.fresh_at = now
+        return self.fresh_set
+
     def status(self) -> dict:
         now = time.monotonic()
         return {url: {"fresh": feed.fresh(now), "seq": feed.last_seq, "heard_s_ago": round(now - feed.last_heard, 3)
@@ -120,11 +132,8 @@ class Feeds:
             if not feed.synced:
                 await asyncio.sleep(1.0)
                 return
-        if not await sub.poll(E.STALE_S * 1000):
-            log.warning("%s: no KV events for %.0f s: it is asked on the request path until they resume",
-                        feed.url, E.STALE_S)
-            feed.synced = False
-            return
+        # No timeout here: silence shows in `fresh()` (last_heard), which the request path reads; a
+        # worker whose events resume in sequence needs nothing more, and a gap is replayed below.
         _, raw_seq, payload = await sub.recv_multipart()
         feed.last_heard = time.monotonic()
         seq = int.from_bytes(raw_seq, "big", signed=True)

@@ -34,9 +34,10 @@ class KVIndex:
         self.sessions = sessions                                # where retained conversations go
         self.lookup_ns: deque[int] = deque(maxlen=10_000)       # the last lookups' durations (admin stats)
         self.apply_ns = 0                                       # live batches: decoding and applying them (kv_feed.py)
-        self.counters = {"stored": 0, "removed": 0, "cleared": 0}
+        self.counters = {"events": 0, "stored": 0, "removed": 0, "cleared": 0}     # events; blocks stored, removed
 
     def apply(self, url: str, batch: E.KVEventBatch, retention_ttl_s: float | None) -> None:
+        self.counters["events"] += len(batch.events)
         for event in batch.events:
             if isinstance(event, E.BlockStored):
                 if event.medium == E.MEDIUM_RETAINED:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvhandoff.router.attempt import Attempt
 from kvhandoff.router.errors import Relay, WorkerFailure, describe, task_outcome, worker_failure
-from kvhandoff.router.policies import PrefillPolicy, late_binding_target, reuse_estimate
+from kvhandoff.router.policies import PrefillPolicy, late_binding_target, reuse_estimate, reuse_shortlist
 from kvhandoff.router.pool import Worker
 from kvhandoff.router.upstream import Answer, UpstreamError
 from kvhandoff.wire import messages as M
@@ -30,13 +30,16 @@ PrefillAnswer = M.PullHandoff | M.PushPrefillAnswer
 @dataclass
 class NativeAttempt(Attempt):
     def reuse_estimates(self) -> dict[str, dict] | None:
-        """Cache-aware prefill for a turn whose history a decode worker retains: each prefill worker's
-        cheapest way (its cache, a fetch, recomputing) and its estimated ms (policies.reuse_estimate)."""
+        """Cache-aware prefill for a turn whose history a decode worker retains: the cheapest way (its
+        cache, a fetch, recomputing) and its estimated ms (policies.reuse_estimate) of each prefill
+        worker on the shortlist (policies.reuse_shortlist: those holding part of the prompt, and the
+        least queued of the others; pick() takes the others after them)."""
         if self.candidate is None or self.facts is None or self.config.prefill_policy is not PrefillPolicy.CACHE:
             return None
         pool = self.router.pool
+        shortlist = reuse_shortlist(pool.serving("prefill"), self.facts, pool.prefix, self.excluded)
         return {w.url: reuse_estimate(w, self.facts, pool.prefix, self.candidate.block_hashes, REUSE_FLOOR_TOKENS)
-                for w in pool.serving("prefill")}
+                for w in shortlist}
 
     async def run_prefill(self, **extra) -> PrefillAnswer:
         """Run the prefill leg to its end; returns the prefill's answer (its handoff object, typed by

@@ -19,12 +19,13 @@ Prefill:
 - `fewest-in-flight` (default), as above.
 - `cache-aware`: the prefill worker whose prefix cache should hold the longest part of the prompt,
   weighed against its queue: cost = the prompt's tokens it would compute (those past the blocks it
-  holds, as each worker says: prefix.py) + the tokens it still has to prefill (what it reported, or
-  the prompts this router has on it now if more). Costs the request one /kv/prompt round trip to
-  every prefill worker at once (each tokenizes and hashes the prompt and looks in its cache; shared
-  with bidirectional reuse's session lookup); without an answer it falls back to fewest-in-flight.
+  holds: the router's index of the workers' KV events, prefix.py) + the tokens it still has to
+  prefill (what it reported, or the prompts this router has on it now if more). Nothing is asked on
+  the request's path (a worker whose events are not fresh is asked: `/kv/prompt`); without any
+  answer it falls back to fewest-in-flight.
   With `--bidirectional`, for a turn whose history a decode worker retains, the cost is in
-  estimated milliseconds and each prefill worker has two ways (`reuse_estimate`): compute the
+  estimated milliseconds and each prefill worker of a shortlist (`reuse_shortlist`: those holding
+  part of the prompt, and the two least queued others) has two ways (`reuse_estimate`): compute the
   prompt past what its own cache holds, or fetch the retained blocks it lacks (at least the reuse
   floor, 64 tokens) and compute the rest; both after its queue, at the rates it reports
   (`reuse_rates` in /health: its prefill cost fitted to what it measured, a fixed part, a part per
@@ -45,6 +46,7 @@ computes it colocated: a short prompt does not pay for a handoff.
 """
 from __future__ import annotations
 
+import heapq
 import statistics
 from typing import TYPE_CHECKING
 
@@ -129,6 +131,24 @@ def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, histo
             row.update(option=ReuseWay.FETCH, est_ms=with_fetch_ms)
     row["est_ms"] = round(row["est_ms"], 3)
     return row
+
+
+# The least-queued prefill workers holding none of the prompt that a three-way choice weighs beside
+# those holding some: the others can only do worse (same cost model, longer queue) unless their
+# reported rates differ, and weighing every worker of a large fleet would cost each turn O(workers).
+SHORTLIST_OTHERS = 2
+
+
+def reuse_shortlist(workers: list[Worker], facts: PromptFacts, index: PrefixIndex,
+                    excluded: set[str] = frozenset()) -> list[Worker]:
+    """The prefill workers a conversation's next turn weighs (reuse_estimate): every one that holds part
+    of the prompt, and the SHORTLIST_OTHERS least queued (healthy, not excluded, first) of the rest."""
+    holding, rest = [], []
+    for w in workers:
+        (holding if facts.cached_blocks(w.url, index) else rest).append(w)
+    others = heapq.nsmallest(SHORTLIST_OTHERS, rest, key=lambda w: (w.url in excluded, not w.healthy,
+                                                                     queued_prefill_tokens(w)))
+    return holding + others
 
 
 def ranking(policy: DecodePolicy | PrefillPolicy, workers: list[Worker], facts: PromptFacts | None = None,

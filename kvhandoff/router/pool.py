@@ -110,7 +110,8 @@ class WorkerPool:
         if facts is not None:
             worker.tokens_in_flight += facts.num_tokens
             if worker.role == "prefill":
-                self.prefix.record(worker.url, facts.block_hashes, worker.last_health.get("num_blocks"))
+                if worker.url not in facts.indexed:         # (its events tell what it holds)
+                    self.prefix.record(worker.url, facts.block_hashes, worker.last_health.get("num_blocks"))
         self.on_change(worker)
 
     def release(self, worker: Worker, facts: PromptFacts | None = None) -> None:

@@ -35,11 +35,15 @@ class PromptFacts:
     block_size: int
     cached: dict[str, int] = field(default_factory=dict)     # worker URL -> leading blocks it holds (index, or its answer)
     keys: list[bytes] = field(default_factory=list)          # block_hashes as bytes (the index's keys), when made here
+    indexed: frozenset[str] = frozenset()                    # workers the index answered for (absent from cached: 0)
 
     def cached_blocks(self, url: str, index: PrefixIndex) -> int:
-        """Leading blocks of the prompt the worker at `url` holds: its answer, else this router's record."""
+        """Leading blocks of the prompt the worker at `url` holds: the index's or its answer, else this
+        router's record."""
         reported = self.cached.get(url)
-        return reported if reported is not None else index.cached_blocks(url, self.block_hashes)
+        if reported is not None:
+            return reported
+        return 0 if url in self.indexed else index.cached_blocks(url, self.block_hashes)
 
 
 class PrefixIndex:
@@ -79,12 +83,11 @@ async def prompt_facts(router, attempt, every_worker: bool = False) -> PromptFac
     if facts is None:
         return await ask(router, attempt, serving if every_worker else [router.pool.least_loaded("prefill")])
     if every_worker:
-        now = time.monotonic()
-        fresh = {w.url for w in serving if router.feeds.fresh(w.url, now)}
+        fresh = router.feeds.fresh_urls()
         started = time.perf_counter_ns()
-        depth = router.index.cached_blocks(facts.keys, fresh)
+        facts.cached = router.index.cached_blocks(facts.keys, fresh)
         router.index.lookup_ns.append(time.perf_counter_ns() - started)
-        facts.cached = {url: depth.get(url, 0) for url in fresh}
+        facts.indexed = fresh
         stale = [w for w in serving if w.url not in fresh]
         if stale:
             asked = await ask(router, attempt, stale)

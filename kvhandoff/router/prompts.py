@@ -57,8 +57,7 @@ class Prompts:
         tokenizer = self.tokenizers.get(fingerprint)
         if tokenizer is None:
             prompt = body.get("prompt") if endpoint != CHAT else None
-            ids = prompt if isinstance(prompt, list) and prompt and all(type(i) is int for i in prompt) else None
-            return ids
+            return prompt if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int} else None
         try:
             if endpoint == CHAT:
                 messages = P.ChatCompletionRequest.model_validate(body).template_messages()
@@ -68,9 +67,7 @@ class Prompts:
                 ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         except (ValidationError, TemplateError, ValueError, TypeError, LookupError):      # the worker says why, with a 400
             return None
-        if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
-            return None
-        return ids
+        return ids if isinstance(ids, list) and ids and set(map(type, ids)) == {int} else None
 
     def facts(self, fingerprint: str, block_size: int, endpoint: str, body: dict) -> PromptFacts | None:
         """The prompt's token count and block chain, made here (what each worker caches: the caller's)."""

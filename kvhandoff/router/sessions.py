@@ -138,7 +138,8 @@ class Sessions:
                 log.debug("session %s: retained KV expired", entry.key)
         # With one router its map knows every turn; with several, the events tell it the others' turns,
         # and only the decode workers whose events are not fresh are asked.
-        stale = [w for w in self.router.pool.serving("decode") if not self.router.feeds.fresh(w.url, now)] \
+        fresh = self.router.feeds.fresh_urls()
+        stale = [w for w in self.router.pool.serving("decode") if w.url not in fresh] \
             if self.router.config.shared_sessions else []
         if attempt.session_id is not None:
             return self.map.get(attempt.session_id) or (await self.ask_workers(stale, attempt.session_id, [])
@@ -157,6 +158,8 @@ class Sessions:
         key = event.session_id or f"anon:{retention_id}"
         current = self.map.entries.get(key)
         if current is not None and current.retention_id != retention_id and current.kept_at > kept_at:
+            log.debug("session %s: %s on %s is older than %s: not recorded", key, retention_id, url,
+                      current.retention_id)
             return          # an older turn's event, read after the newer turn's (from another worker's feed)
         hashes = [h.hex() if isinstance(h, bytes) else str(h) for h in event.block_hashes]
         self.map.record(SessionEntry(key, url, retention_id, len(event.token_ids), hashes,
@@ -210,7 +213,9 @@ class Sessions:
             return None                  # not kept (an error, or the worker has no retention): keep the old one
         key = attempt.session_id or f"anon:{retained.retention_id}"
         if old is not None:
-            self.map.drop(old.key)
+            # (By retention id: the entry under its key may be a newer turn already, this one's own
+            # event, or another conversation's whose history this prompt matched.)
+            self.map.drop_retained(old.retention_id)
             if old.decode_url != attempt.decode.url:     # superseded on another worker: it can free it now
                 holder = self.router.pool.find(old.decode_url)
                 if holder is not None:

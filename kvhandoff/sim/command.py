@@ -155,7 +155,7 @@ def main(args: argparse.Namespace) -> int:
         workers = args.prefill + args.decode
         report["routers"] = {"costs": router.__dict__, "max_rate": {r: router.max_rate(r, workers) for r in args.routers}}
         print(f"\nthe routers (measured at {router.measured_workers} workers: {router.decision_ms:.3f} ms of CPU a "
-              f"request, {router.blocks_per_request:.1f} block events a request at {router.us_per_block:.2f} us each, "
+              f"request, {router.events_per_request:.1f} KV events a request at {router.us_per_event:.2f} us each, "
               f"{router.idle_ms_per_worker_s:.3f} ms per worker and second idle):")
         for r, rate in report["routers"]["max_rate"].items():
             print(f"  {r} router{'s' if r > 1 else ''} in front of {workers} workers: at most {rate:,.0f} requests/s "

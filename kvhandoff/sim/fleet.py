@@ -108,8 +108,8 @@ class RouterCosts:
     heartbeats). A router is one core: it serves its share of the requests in turn, each slower by
     the share of its core the events and polls take."""
     decision_ms: float
-    blocks_per_request: float
-    us_per_block: float
+    events_per_request: float
+    us_per_event: float
     idle_ms_per_worker_s: float
     measured_workers: int
 
@@ -119,21 +119,21 @@ class RouterCosts:
         if not indexed:
             raise ValueError("no row of `python -m kvhandoff.bench.router --workers N` (its results.json) in it")
         row = max(indexed, key=lambda r: r["workers"])
-        blocks = row["events_per_s"] / row["requests_per_s"]
+        events = row["events_per_s"] / row["requests_per_s"]
         idle = row["idle_cpu_ms_per_s"] / row["workers"]
         # The load's CPU per request holds its decision, its share of the events, and the idle polls.
-        decision = (row["cpu_ms_per_request"] - blocks * row["apply_us_per_block"] / 1e3
+        decision = (row["cpu_ms_per_request"] - events * row["apply_us_per_event"] / 1e3
                     - row["idle_cpu_ms_per_s"] / row["requests_per_s"])
-        return cls(max(decision, 0.0), blocks, row["apply_us_per_block"], idle, row["workers"])
+        return cls(max(decision, 0.0), events, row["apply_us_per_event"], idle, row["workers"])
 
     def background_share(self, rate: float, workers: int) -> float:
         """Of each router's core: every worker's events at `rate` requests/s, and every worker's polls."""
-        return rate * self.blocks_per_request * self.us_per_block / 1e6 + workers * self.idle_ms_per_worker_s / 1e3
+        return rate * self.events_per_request * self.us_per_event / 1e6 + workers * self.idle_ms_per_worker_s / 1e3
 
     def max_rate(self, routers: int, workers: int) -> float:
         """Requests/s the routers can decide: (rate / routers) x decision + background <= one core each."""
         spare = 1.0 - workers * self.idle_ms_per_worker_s / 1e3
-        return max(0.0, spare) / (self.decision_ms / 1e3 / routers + self.blocks_per_request * self.us_per_block / 1e6)
+        return max(0.0, spare) / (self.decision_ms / 1e3 / routers + self.events_per_request * self.us_per_event / 1e6)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ last batch it includes.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -93,6 +94,11 @@ class Publisher:
         self.port = self.pub.bind_to_random_port(f"tcp://{host}")
         self.replay_port = self.replay.bind_to_random_port(f"tcp://{host}")
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        # publish() wakes the thread through a pipe, which it polls with the replay socket: it sleeps
+        # until there is something to do (or a heartbeat is due), never on a timer of its own.
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER)
         self.next_seq = 0
         self.counters = {"batches": 0, "events": 0, "replays": 0, "snapshots": 0}
@@ -106,48 +112,75 @@ class Publisher:
     def publish(self, events: list[tuple]) -> None:
         """Any thread (in practice the engine's): events in the order they happened."""
         self.queue.put(events)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self.wake_write, b"\0")
+        except BlockingIOError:             # the pipe is full: the thread has plenty of wake-ups to read
+            pass
 
     def close(self) -> None:
         self.running = False
         self.queue.put(None)
+        self._wake()
         if self.thread.is_alive():
             self.thread.join(2.0)
         self.context.destroy(linger=0)
+        os.close(self.wake_read)
+        os.close(self.wake_write)
 
     # ---- the publisher's thread -------------------------------------------------------------------
     def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.replay, zmq.POLLIN)
+        poller.register(self.wake_read, zmq.POLLIN)
         last_sent = 0.0
         try:
             while self.running:
-                while self.replay.poll(0):
-                    self._replay_request(self.replay.recv_multipart())
-                try:
-                    item = self.queue.get(timeout=0.02)
-                except queue.Empty:
-                    if time.monotonic() - last_sent >= E.HEARTBEAT_S:
-                        self._heartbeat()
-                        last_sent = time.monotonic()
-                    continue
-                if item is None:
-                    break
-                if isinstance(item, SnapshotFor):
-                    self._answer_snapshot(item)
-                    continue
-                events = list(item)
-                while len(events) < 4096:               # whatever else is queued joins this batch
+                due = last_sent + E.HEARTBEAT_S - time.monotonic()
+                ready = dict(poller.poll(max(0.0, due) * 1000))
+                if self.replay in ready:
+                    while self.replay.poll(0):
+                        self._replay_request(self.replay.recv_multipart())
+                if self.wake_read in ready:
                     try:
-                        more = self.queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None or isinstance(more, SnapshotFor):
-                        self.queue.put(more)            # (order kept: nothing was queued behind it)
-                        break
-                    events.extend(more)
-                self._send(to_wire(events, self.block_size, self.medium))
-                last_sent = time.monotonic()
+                        os.read(self.wake_read, 65536)
+                    except BlockingIOError:
+                        pass
+                sent = self._drain()
+                if sent is None:
+                    break
+                if sent or time.monotonic() - last_sent >= E.HEARTBEAT_S:
+                    if not sent:
+                        self._heartbeat()       # alive, nothing happened
+                    last_sent = time.monotonic()
         except zmq.ZMQError as exc:
             if self.running:
                 log.error("KV-event publisher stopped: %s", exc)
+
+    def _drain(self) -> bool | None:
+        """Send what is queued, as few batches as a snapshot's place allows; None once told to stop."""
+        events: list[tuple] = []
+        sent = False
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return None
+            if isinstance(item, SnapshotFor):
+                if events:
+                    self._send(to_wire(events, self.block_size, self.medium))
+                    events, sent = [], True
+                self._answer_snapshot(item)
+                continue
+            events.extend(item)
+        if events:
+            self._send(to_wire(events, self.block_size, self.medium))
+            sent = True
+        return sent
 
     def _send(self, events: list) -> None:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -183,6 +216,7 @@ class Publisher:
         # queue behind every event it reflects, before any it does not.
         def take() -> None:
             self.queue.put(SnapshotFor(client, [("cleared",), *self.snapshot()]))
+            self._wake()
         self.call(take)
 
     def _answer_snapshot(self, item: SnapshotFor) -> None:
