@@ -3,6 +3,7 @@ medians; the fleet model is deterministic under a seed and routes as the router 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 from kvhandoff.router import policies
 from kvhandoff.router.policies import DecodePolicy
 from kvhandoff.sim.calibrate import Costs, Linear, computed_tokens, link_of
-from kvhandoff.sim.fleet import LATE_BINDING_MARGIN, POLICIES, Fleet, Job, Link, poisson_jobs
+from kvhandoff.sim.fleet import LATE_BINDING_MARGIN, POLICIES, Fleet, Job, Link, RouterCosts, Routing, poisson_jobs
 
 
 def costs(**changes) -> Costs:
@@ -158,3 +159,31 @@ def test_a_prompt_is_charged_only_the_tokens_its_prefill_computed():
     assert cached[0]["phases_ms"]["prefill_compute"] == pytest.approx(25.0)
     assert whole[0]["phases_ms"]["transfer"] == pytest.approx(cached[0]["phases_ms"]["transfer"])
     assert {j.computed_tokens for j in poisson_jobs(fixed, 10.0, 20, 0)} == {250}
+
+
+def test_routers_cost_what_the_router_bench_measured():
+    """`--router-costs` (the router bench's results.json): a router's decision, the events every router
+    absorbs and its idle polls, fitted from the row with the most workers; the requests/s the routers
+    can decide grow with their number until the events every one of them absorbs bound them, and a
+    fleet simulated behind them queues once the rate nears that bound."""
+    rows = [{"workers": 2, "cpu_ms_per_request": 1.0, "requests_per_s": 500.0, "events_per_s": 1000.0,
+             "apply_us_per_event": 10.0, "idle_cpu_ms_per_s": 2.0, "index": {"blocks": 1}},
+            {"workers": 64, "cpu_ms_per_request": 1.2, "requests_per_s": 400.0, "events_per_s": 800.0,
+             "apply_us_per_event": 20.0, "idle_cpu_ms_per_s": 32.0, "index": {"blocks": 1}}]
+    router = RouterCosts.from_bench(rows)
+    assert router.measured_workers == 64 and router.events_per_request == 2.0
+    assert router.decision_ms == pytest.approx(1.2 - 2.0 * 0.020 - 32.0 / 400.0)
+    assert router.idle_ms_per_worker_s == pytest.approx(0.5)
+    one, four = router.max_rate(1, 64), router.max_rate(4, 64)
+    assert one == pytest.approx((1 - 64 * 0.5e-3) / (router.decision_ms / 1e3 + 2 * 20e-6))
+    assert 3 * one < four < 4 * one               # every router absorbs every worker's events
+    assert router.max_rate(1, 3000) == 0.0        # its polls alone would take the core
+    with pytest.raises(ValueError):
+        RouterCosts.from_bench([{"workers": 2, "cpu_ms_per_request": 1.0}])
+
+    def ttft_p50(rate: float, routers: int) -> float:
+        c = costs()
+        jobs = poisson_jobs(c, rate, 300, seed=1)
+        done = Fleet(c, 8, 8, routing=Routing(router, routers, rate), seed=1).run(jobs)
+        return statistics.median(d["ttft_ms"] for d in done)
+    assert ttft_p50(0.95 * one, 1) > ttft_p50(0.95 * one, 2) + 1.0        # queued at the one router

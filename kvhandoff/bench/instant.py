@@ -102,7 +102,7 @@ def event(obj: dict, note: M.EventNote | None = None) -> bytes:
 async def generate(request: web.Request) -> web.StreamResponse:
     count(request)
     body = msgspec.json.decode(await request.read())
-    request.app["prompt"] = body.get("prompt")
+    request["prompt"] = body.get("prompt")
     kv = body.get("kv_transfer_params") or {}
     chat = request.path.endswith("/chat/completions")
     rid = kv.get("handoff_id") or "instant"
@@ -113,7 +113,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def prefill(request: web.Request, kv: dict, chat: bool, rid: str) -> web.StreamResponse:
     started = time.perf_counter()
-    holdings, prompt = request.app["holdings"], request.app["prompt"]
+    holdings, prompt = request.app["holdings"], request["prompt"]
     if holdings is not None and isinstance(prompt, list):
         holdings.prefilled(prompt)
     resp = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
@@ -165,7 +165,7 @@ def report(request: web.Request, rid: str, kv: dict) -> dict:
     answer = {"handoff_id": rid, "mode": kv.get("mode"), "decode_worker": "instant", "bytes_transferred": 0,
               "blocks": 1, "decode_cached_tokens": 0, "kv_source": "remote",
               "phases_ms": {"handoff_wait": 0.0, "transfer": 0.0, "decode_queue": 0.0, "first_step": 0.0}}
-    holdings, prompt, session = request.app["holdings"], request.app["prompt"], kv.get("session")
+    holdings, prompt, session = request.app["holdings"], request["prompt"], kv.get("session")
     if holdings is not None and kv.get("retain") and session and isinstance(prompt, list):
         answer["retained"] = holdings.kept(session, prompt)
     return answer
@@ -195,7 +195,7 @@ def app(role: str, holdings: Holdings | None = None) -> web.Application:
     application = web.Application()
     application["role"] = role
     application["counts"] = {}
-    application["holdings"], application["prompt"] = holdings, None
+    application["holdings"] = holdings
     application.router.add_post("/v1/completions", generate)
     application.router.add_post("/v1/chat/completions", generate)
     application.router.add_get("/health", ok)

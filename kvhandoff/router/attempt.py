@@ -158,9 +158,11 @@ class Attempt:
 
     # -- what the protocols' router legs call (handoff/pull.py, push.py) -----------------------------
     def pick(self, role: str, prefer: str | None = None) -> Worker:
-        estimates = self.reuse_estimates() if role == "prefill" else None
+        pool = self.router.pool
+        among = pool.candidates(role, self.facts if role == "prefill" else None, prefer)
+        estimates = self.reuse_estimates(among) if role == "prefill" else None
         cost = (lambda w: estimates[w.url]["est_ms"] if w.url in estimates else math.inf) if estimates else None
-        worker = self.router.pool.pick(role, self.excluded, prefer, self.facts, cost)
+        worker = pool.pick(role, self.excluded, prefer, self.facts, cost, among)
         if estimates:
             self.route_decision = {"choice": estimates[worker.url]["option"], "prefill_worker": worker.url,
                                    "candidates": list(estimates.values())}
@@ -240,7 +242,7 @@ class Attempt:
         await asyncio.wait({self.prefill_task}, timeout=PREFILL_ANSWER_GRACE_S)
         return task_outcome(self.prefill_task)
 
-    def reuse_estimates(self) -> dict[str, dict] | None:
+    def reuse_estimates(self, among: list[Worker]) -> dict[str, dict] | None:
         """Each prefill worker's cheapest way into a conversation's history, where the engine prices it."""
         return None
 

@@ -37,6 +37,7 @@ class Feed:
     last_seq: int = -1
     last_heard: float = 0.0
     task: asyncio.Task | None = None
+    resyncing: asyncio.Task | None = None       # a replay after a gap, while live batches wait
     counters: dict = field(default_factory=lambda: {"batches": 0, "gaps": 0, "resyncs": 0, "resync_ms": 0.0})
 
     def fresh(self, now: float) -> bool:
@@ -50,7 +51,8 @@ class Feed:
 class Feeds:
     def __init__(self, index: KVIndex, secret: bytes):
         self.index, self.secret = index, secret
-        self.context = zmq.asyncio.Context()
+        self.context = zmq.asyncio.Context()          # replay requests (DEALER)
+        self.live_context = zmq.Context()              # live batches (SUB, read by a loop reader callback)
         self.feeds: dict[str, Feed] = {}
         self.fresh_set: frozenset[str] = frozenset()
         self.fresh_at = float("-inf")
@@ -77,14 +79,16 @@ class Feeds:
         """The worker left (or restarted): its feed ends and what it held is forgotten."""
         feed = self.feeds.pop(url, None)
         if feed is not None:
-            if feed.task is not None:
-                feed.task.cancel()
+            for task in (feed.task, feed.resyncing):
+                if task is not None:
+                    task.cancel()
             self.index.forget(url)
 
     def close(self) -> None:
         for url in list(self.feeds):
             self.stop(url)
         self.context.destroy(linger=0)
+        self.live_context.destroy(linger=0)
 
     def fresh(self, url: str, now: float | None = None) -> bool:
         feed = self.feeds.get(url)
@@ -104,53 +108,74 @@ class Feeds:
         return {url: {"fresh": feed.fresh(now), "seq": feed.last_seq, "heard_s_ago": round(now - feed.last_heard, 3)
                       if feed.last_heard else None, **feed.counters} for url, feed in self.feeds.items()}
 
-    # ---- one feed's task ------------------------------------------------------------------------
+    # ---- one feed ------------------------------------------------------------------------------
     async def follow(self, feed: Feed) -> None:
-        sub = self.context.socket(zmq.SUB)
+        """Synchronise, then read live batches as they come (a reader callback on the SUB socket: one
+        wake-up drains every batch waiting, with no future per batch), until cancelled."""
+        sub = self.live_context.socket(zmq.SUB)
         E.secure_client(sub, self.secret)
         sub.linger = 0
+        sub.ipv6 = True
         sub.rcvhwm = 100_000
         sub.subscribe(b"")
         sub.connect(feed.endpoint(feed.info.port))
+        loop = asyncio.get_running_loop()
+        fd = sub.getsockopt(zmq.FD)
         try:
-            while True:
-                try:
-                    await self.next_batch(feed, sub)
-                except (asyncio.CancelledError, zmq.ContextTerminated):
-                    raise
-                except Exception:               # a bug here must not end the router's other work
-                    log.exception("%s: KV-event feed failed; the worker is asked until it resynchronises", feed.url)
-                    feed.synced = False
+            while not feed.synced:              # (live batches wait in the socket meanwhile)
+                await self.resync(feed)
+                if not feed.synced:
                     await asyncio.sleep(1.0)
+            loop.add_reader(fd, self.readable, feed, sub)
+            self.readable(feed, sub)            # (the FD is edge-triggered: what came before counts too)
+            await asyncio.Event().wait()
         finally:
+            try:
+                loop.remove_reader(fd)
+            except (OSError, ValueError):       # (the router is closing: its context took the socket)
+                pass
             sub.close(linger=0)
 
-    async def next_batch(self, feed: Feed, sub: zmq.asyncio.Socket) -> None:
-        """Apply the next live batch (after a resync first, where needed)."""
-        if not feed.synced:
-            await self.resync(feed)
-            if not feed.synced:
-                await asyncio.sleep(1.0)
+    def readable(self, feed: Feed, sub: zmq.Socket) -> None:
+        while feed.resyncing is None and sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                _, raw_seq, payload = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
                 return
-        # No timeout here: silence shows in `fresh()` (last_heard), which the request path reads; a
-        # worker whose events resume in sequence needs nothing more, and a gap is replayed below.
-        _, raw_seq, payload = await sub.recv_multipart()
+            try:
+                self.live(feed, int.from_bytes(raw_seq, "big", signed=True), payload, sub)
+            except Exception:                   # a bug here must not end the router's other work
+                log.exception("%s: a KV-event batch failed; resynchronising", feed.url)
+                self.start_resync(feed, sub)
+
+    def live(self, feed: Feed, seq: int, payload: bytes, sub: zmq.Socket | None = None) -> None:
         feed.last_heard = time.monotonic()
-        seq = int.from_bytes(raw_seq, "big", signed=True)
         if seq <= feed.last_seq:
             return                              # a heartbeat, or what the replay already applied
         started = time.perf_counter_ns()
         batch = self.decode(feed, seq, payload)
-        if batch is None:
-            return
         # A heartbeat (empty) names the last batch sent: past ours, it is one we never got.
-        if seq != feed.last_seq + 1 or not batch.events:
+        if batch is None or seq != feed.last_seq + 1 or not batch.events:
             feed.counters["gaps"] += 1
             log.info("%s: KV events %d..%d missed: replaying", feed.url, feed.last_seq + 1, seq)
-            await self.resync(feed)
+            self.start_resync(feed, sub)
             return
         self.apply(feed, seq, batch)
         self.index.apply_ns += time.perf_counter_ns() - started
+
+    def start_resync(self, feed: Feed, sub: zmq.Socket | None) -> None:
+        """Replay what is missing, then go on reading (what came meanwhile waits in the socket)."""
+        if feed.resyncing is not None:
+            return
+
+        async def run() -> None:
+            try:
+                await self.resync(feed)
+            finally:
+                feed.resyncing = None
+            if sub is not None and not sub.closed:
+                self.readable(feed, sub)
+        feed.resyncing = asyncio.ensure_future(run())
 
     def decode(self, feed: Feed, seq: int, payload: bytes) -> E.KVEventBatch | None:
         try:
@@ -161,7 +186,7 @@ class Feeds:
             return None
 
     def apply(self, feed: Feed, seq: int, batch: E.KVEventBatch) -> None:
-        self.index.apply(feed.url, batch, feed.info.retention_ttl_s)
+        self.index.apply(feed.url, batch, feed.info.retention_ttl_s, feed.info.hash_scheme == E.HASH_SCHEME)
         feed.last_seq = seq
         feed.counters["batches"] += 1
 
@@ -172,6 +197,7 @@ class Feeds:
         dealer = self.context.socket(zmq.DEALER)
         E.secure_client(dealer, self.secret)
         dealer.linger = 0
+        dealer.ipv6 = True
         dealer.connect(feed.endpoint(feed.info.replay_port))
         try:
             await dealer.send_multipart([b"", E.seq_bytes(feed.last_seq + 1)])

@@ -1,10 +1,10 @@
 """What every worker holds, as this router has read it from their KV events (wire/kv_events.py): the
 index a routing decision reads instead of asking the workers on the request's path.
 
-Blocks are indexed by key: the chain hash of their token ids (engine/block_pool.block_hash, the
-worker's own scheme: for our workers key and published hash coincide; for a worker with another
-scheme or a seed, such as vLLM's, the key is still made from the tokens, and `keys` maps its hashes
-to ours for its removals and children). `holders` maps a key to the workers that hold it, so a
+Blocks are indexed by key: the chain hash of their token ids (engine/block_pool.block_hash). Our
+workers publish exactly those hashes (`hash_scheme` in their /health), which are taken as they come;
+for a worker with another scheme or a seed, such as vLLM's, the key is made from the event's tokens,
+and `keys` maps its hashes to ours for its removals and children. `holders` maps a key to the workers that hold it, so a
 prompt's lookup walks its blocks once, keeping the workers still matching (Dynamo's radix-tree idea,
 flattened: a chain hash names its whole prefix), whatever the fleet's size.
 
@@ -36,7 +36,8 @@ class KVIndex:
         self.apply_ns = 0                                       # live batches: decoding and applying them (kv_feed.py)
         self.counters = {"events": 0, "stored": 0, "removed": 0, "cleared": 0}     # events; blocks stored, removed
 
-    def apply(self, url: str, batch: E.KVEventBatch, retention_ttl_s: float | None) -> None:
+    def apply(self, url: str, batch: E.KVEventBatch, retention_ttl_s: float | None, ours: bool = False) -> None:
+        """`ours`: the worker hashes blocks as engine/block_pool does, so its hashes are our keys."""
         self.counters["events"] += len(batch.events)
         for event in batch.events:
             if isinstance(event, E.BlockStored):
@@ -44,7 +45,7 @@ class KVIndex:
                     if self.sessions is not None:
                         self.sessions.event_retained(url, event, retention_ttl_s, batch.ts)
                 else:
-                    self.stored(url, event)
+                    self.stored(url, event, ours)
             elif isinstance(event, E.BlockRemoved):
                 if event.medium == E.MEDIUM_RETAINED:
                     if self.sessions is not None:
@@ -54,8 +55,15 @@ class KVIndex:
             else:
                 self.forget(url)
 
-    def stored(self, url: str, event: E.BlockStored) -> None:
+    def stored(self, url: str, event: E.BlockStored, ours: bool = False) -> None:
         mine = self.keys.setdefault(url, {})
+        if ours:            # (the same keys the tokens would give: engine/block_pool.block_hash)
+            for key in event.block_hashes:
+                if key not in mine:
+                    mine[key] = key
+                    self.holders.setdefault(key, set()).add(url)
+                    self.counters["stored"] += 1
+            return
         bs = event.block_size
         parent = event.parent_block_hash
         # A parent it no longer holds (evicted before its child): keyed by its own hash, which for our

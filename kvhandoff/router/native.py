@@ -16,7 +16,7 @@ from kvhandoff.router.policies import PrefillPolicy, late_binding_target, reuse_
 from kvhandoff.router.pool import Worker
 from kvhandoff.router.upstream import Answer, UpstreamError
 from kvhandoff.wire import messages as M
-from kvhandoff.wire.cost import REUSE_FLOOR_TOKENS
+from kvhandoff.wire.cost import REUSE_FLOOR_TOKENS, common_prefix_blocks
 
 log = logging.getLogger("kvhandoff.router")
 
@@ -29,17 +29,18 @@ PrefillAnswer = M.PullHandoff | M.PushPrefillAnswer
 
 @dataclass
 class NativeAttempt(Attempt):
-    def reuse_estimates(self) -> dict[str, dict] | None:
+    def reuse_estimates(self, among: list[Worker]) -> dict[str, dict] | None:
         """Cache-aware prefill for a turn whose history a decode worker retains: the cheapest way (its
         cache, a fetch, recomputing) and its estimated ms (policies.reuse_estimate) of each prefill
-        worker on the shortlist (policies.reuse_shortlist: those holding part of the prompt, and the
-        least queued of the others; pick() takes the others after them)."""
+        worker on the shortlist (policies.reuse_shortlist, of the pick's candidates `among`: those
+        holding part of the prompt, and the least queued of the others; pick() takes the others after
+        them)."""
         if self.candidate is None or self.facts is None or self.config.prefill_policy is not PrefillPolicy.CACHE:
             return None
         pool = self.router.pool
-        shortlist = reuse_shortlist(pool.serving("prefill"), self.facts, pool.prefix, self.excluded)
-        return {w.url: reuse_estimate(w, self.facts, pool.prefix, self.candidate.block_hashes, REUSE_FLOOR_TOKENS)
-                for w in shortlist}
+        shortlist = reuse_shortlist(among, self.facts, pool.prefix, self.excluded)
+        shared = common_prefix_blocks(self.facts.block_hashes, self.candidate.block_hashes)
+        return {w.url: reuse_estimate(w, self.facts, pool.prefix, shared, REUSE_FLOOR_TOKENS) for w in shortlist}
 
     async def run_prefill(self, **extra) -> PrefillAnswer:
         """Run the prefill leg to its end; returns the prefill's answer (its handoff object, typed by

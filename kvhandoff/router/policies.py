@@ -104,7 +104,15 @@ def queued_prefill_tokens(worker: Worker) -> int:
     return max(int(worker.last_health.get("num_tokens_to_prefill") or 0), worker.tokens_in_flight)
 
 
-def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, history: list[str], floor: int) -> dict:
+def cost_model(worker: Worker) -> CostModel:
+    """The cost model the worker's last /health reported (`reuse_rates`), read once per poll."""
+    seen = worker.rates_seen
+    if seen is None or seen[0] is not worker.last_health:
+        seen = worker.rates_seen = (worker.last_health, CostModel.from_rates(worker.last_health.get("reuse_rates") or {}))
+    return seen[1]
+
+
+def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, history: list[str] | int, floor: int) -> dict:
     """One prefill worker's way to a prompt whose history (`history`, block hashes) a decode worker
     retains: compute past its own cached prefix, or fetch what it lacks of the history and compute the
     rest, whichever it should finish first (ms, its queue included). At least one prompt token is
@@ -113,8 +121,10 @@ def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, histo
     defaults before the worker has measured any)."""
     bs, limit = facts.block_size, (facts.num_tokens - 1) // facts.block_size
     cached = min(facts.cached_blocks(worker.url, index), limit)
-    fetchable = min(common_prefix_blocks(facts.block_hashes, history), limit)
-    model = CostModel.from_rates(worker.last_health.get("reuse_rates") or {})
+    # (`history`: its hashes, or how many leading blocks it shares with the prompt, counted once per turn)
+    shared = history if isinstance(history, int) else common_prefix_blocks(facts.block_hashes, history)
+    fetchable = min(shared, limit)
+    model = cost_model(worker)
     prefill = model.prefill
     # The queue's prompts are of unknown context: each taken at the cost of tokens from an empty cache.
     queued = queued_prefill_tokens(worker)
@@ -137,15 +147,18 @@ def reuse_estimate(worker: Worker, facts: PromptFacts, index: PrefixIndex, histo
 # those holding some: the others can only do worse (same cost model, longer queue) unless their
 # reported rates differ, and weighing every worker of a large fleet would cost each turn O(workers).
 SHORTLIST_OTHERS = 2
+SHORTLIST_HOLDERS = 4           # ... beside the workers holding the longest part of the prompt
 
 
 def reuse_shortlist(workers: list[Worker], facts: PromptFacts, index: PrefixIndex,
                     excluded: set[str] = frozenset()) -> list[Worker]:
-    """The prefill workers a conversation's next turn weighs (reuse_estimate): every one that holds part
-    of the prompt, and the SHORTLIST_OTHERS least queued (healthy, not excluded, first) of the rest."""
-    holding, rest = [], []
-    for w in workers:
-        (holding if facts.cached_blocks(w.url, index) else rest).append(w)
+    """The prefill workers a conversation's next turn weighs (reuse_estimate): the SHORTLIST_HOLDERS
+    that hold the longest part of the prompt (a shared system prompt can be on every worker), and the
+    SHORTLIST_OTHERS least queued (healthy, not excluded, first) of the rest."""
+    depth = {w.url: facts.cached_blocks(w.url, index) for w in workers}
+    holding = heapq.nlargest(SHORTLIST_HOLDERS, (w for w in workers if depth[w.url]), key=lambda w: depth[w.url])
+    held = {w.url for w in holding}
+    rest = [w for w in workers if w.url not in held]
     others = heapq.nsmallest(SHORTLIST_OTHERS, rest, key=lambda w: (w.url in excluded, not w.healthy,
                                                                      queued_prefill_tokens(w)))
     return holding + others

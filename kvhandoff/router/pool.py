@@ -4,7 +4,9 @@ the pool when its last one has finished)."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -15,6 +17,9 @@ from kvhandoff.router.prefix import PrefixIndex, PromptFacts
 from kvhandoff.router.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("kvhandoff.router")
+# A pick weighs every worker of a pool up to PICK_ALL workers; of a larger one a random PICK_SAMPLE,
+# the PICK_SAMPLE holding the longest part of the prompt and the preferred one: WorkerPool.candidates.
+PICK_ALL, PICK_SAMPLE = 8, 4
 
 
 def parse_urls(spec: str) -> list[str]:
@@ -44,6 +49,7 @@ class Worker:
     last_health: dict = field(default_factory=dict)
     instance: str | None = None  # the run of a worker that added itself (`serve --join`); a restart is another
     unreachable_since: float | None = None    # monotonic time of the first failed poll in a row
+    rates_seen: tuple[dict, object] | None = None   # (the /health it was read from, its CostModel): policies.py
 
     @property
     def joined(self) -> bool:
@@ -65,6 +71,7 @@ class WorkerPool:
         self.drained_instances: set[str] = set()      # joined workers drained by an admin: they stay out
         self.prefills = [Worker(u, "prefill") for u in prefill_urls]
         self.decodes = [Worker(u, "decode") for u in decode_urls]
+        self.by_url: dict[str, Worker] = {w.url: w for w in self.prefills + self.decodes}
         self.on_change = on_change
         self.policies = {"prefill": prefill_policy, "decode": decode_policy}
         self.prefix = PrefixIndex()                   # what each prefill worker should have cached
@@ -83,17 +90,36 @@ class WorkerPool:
         return [w for w in self.of(role) if not w.draining]
 
     def find(self, url: str) -> Worker | None:
-        return next((w for w in self.workers if w.url == url), None)
+        return self.by_url.get(url)
+
+    def candidates(self, role: str, facts: PromptFacts | None = None, prefer: str | None = None) -> list[Worker]:
+        """The workers a pick weighs: all of the role's, up to PICK_ALL of them; in a larger pool a
+        random PICK_SAMPLE ("power of d choices": nearly as balanced as weighing all, at a cost that
+        does not grow with the pool) plus the PICK_SAMPLE that hold the longest part of the prompt
+        (facts.cached) and the preferred one, so that what makes a worker best is not left out."""
+        workers = self.serving(role)
+        if len(workers) <= PICK_ALL:
+            return workers
+        chosen = {id(w): w for w in random.sample(workers, PICK_SAMPLE)}
+        deepest = heapq.nlargest(PICK_SAMPLE, facts.cached, key=facts.cached.__getitem__) if facts is not None else []
+        for url in [*deepest, prefer]:
+            worker = self.by_url.get(url) if url else None
+            if worker is not None and worker.role == role and not worker.draining:
+                chosen.setdefault(id(worker), worker)
+        return list(chosen.values())
 
     def pick(self, role: str, excluded: set[str] = frozenset(), prefer: str | None = None,
-             facts: PromptFacts | None = None, cost=None) -> Worker:
+             facts: PromptFacts | None = None, cost=None, among: list[Worker] | None = None) -> Worker:
         """Not excluded (it failed this request) first, healthy first, a healthy `prefer` (the
         decode worker holding the conversation's history) outright, then the role's policy
         (policies.py); ties go round-robin (the first tied one after the last pick) so equals
         share. Draining workers are never picked. The caller holds the worker (one more in flight)
         until it calls release(). `facts`: the prompt's, when known (cache-aware prefill); `cost`:
-        the caller's ranking instead of the policy's (a conversation's three-way choice)."""
-        workers = self.serving(role)
+        the caller's ranking instead of the policy's (a conversation's three-way choice), over `among`
+        (its candidates(); by default the pool's). Round-robin weighs every worker."""
+        workers = self.serving(role) if among is None or self.policies[role] is DecodePolicy.ROUND_ROBIN else among
+        if len(workers) > PICK_ALL and not any(w.url not in excluded and w.healthy for w in workers):
+            workers = self.serving(role)        # a sample of failed or unhealthy ones: weigh everyone
         assert workers, f"no {role} worker left in the pool"      # remove() keeps one of each role
         n, start = len(workers), self.cursor.get(role, 0) % len(workers)
         in_turn = [workers[(start + i) % n] for i in range(n)]
@@ -159,6 +185,7 @@ class WorkerPool:
             return worker
         worker = Worker(url, role, instance=instance)
         self.of(role).append(worker)
+        self.by_url[url] = worker
         self.on_change(worker)
         return worker
 
@@ -184,6 +211,8 @@ class WorkerPool:
         workers = self.of(worker.role)
         if worker in workers:
             workers.remove(worker)
+        if self.by_url.get(worker.url) is worker:
+            del self.by_url[worker.url]
 
     # -- health -----------------------------------------------------------------------------------
     async def check(self, upstream: Upstream, worker: Worker) -> dict:

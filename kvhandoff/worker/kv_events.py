@@ -34,6 +34,7 @@ REPLAY_BUFFER = 10_000          # batches kept for replay (vLLM's buffer_steps)
 REPLAY_MAX = 2_000              # a gap longer than this is answered with a snapshot (smaller than the churn)
 TOPIC = b"kv-events"
 RETAINED, UNRETAINED = "retained", "unretained"     # the retention's event kinds (worker/reuse.py)
+CLEARED = "cleared"                                 # this worker holds nothing (it started, or a snapshot begins)
 
 
 @dataclass
@@ -69,7 +70,7 @@ def to_wire(events: list[tuple], block_size: int, medium: str) -> list:
             retention_id, hashes = rest
             out.append(E.BlockRemoved(list(hashes), E.MEDIUM_RETAINED, ownership=retention_id))
         else:
-            assert kind == "cleared", kind
+            assert kind == CLEARED, kind
             out.append(E.AllBlocksCleared())
     return out
 
@@ -89,10 +90,12 @@ class Publisher:
         for sock in (self.pub, self.replay):
             E.secure_server(sock, secret)
             sock.linger = 0
+            sock.ipv6 = ":" in host
         self.pub.sndhwm = 100_000
         self.host = host
-        self.port = self.pub.bind_to_random_port(f"tcp://{host}")
-        self.replay_port = self.replay.bind_to_random_port(f"tcp://{host}")
+        address = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+        self.port = self.pub.bind_to_random_port(address)
+        self.replay_port = self.replay.bind_to_random_port(address)
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         # publish() wakes the thread through a pipe, which it polls with the replay socket: it sleeps
         # until there is something to do (or a heartbeat is due), never on a timer of its own.
@@ -104,7 +107,7 @@ class Publisher:
         self.counters = {"batches": 0, "events": 0, "replays": 0, "snapshots": 0}
         self.running = True
         self.thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
-        self.publish([("cleared",)])            # a (re)started worker holds nothing: its first batch says so
+        self.publish([(CLEARED,)])            # a (re)started worker holds nothing: its first batch says so
 
     def start(self) -> None:
         self.thread.start()
@@ -215,7 +218,7 @@ class Publisher:
         # Taken on the engine thread, after it hands over the events it holds back: it arrives in the
         # queue behind every event it reflects, before any it does not.
         def take() -> None:
-            self.queue.put(SnapshotFor(client, [("cleared",), *self.snapshot()]))
+            self.queue.put(SnapshotFor(client, [(CLEARED,), *self.snapshot()]))
             self._wake()
         self.call(take)
 
