@@ -24,11 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvhandoff.router import admin, legs
 from kvhandoff.router.attempt import Attempt, Phase, rewrite_final
 from kvhandoff.router.errors import Relay, deadline_error, describe
+from kvhandoff.router.kv_feed import Feeds
+from kvhandoff.router.kv_index import KVIndex
 from kvhandoff.router.native import NativeAttempt
 from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, uncached_tokens
 from kvhandoff.router.pool import Worker, WorkerPool
-from kvhandoff.router.kv_feed import Feeds
-from kvhandoff.router.kv_index import KVIndex
 from kvhandoff.router.prefix import PromptFacts, prompt_facts
 from kvhandoff.router.prompts import Prompts
 from kvhandoff.router.relay import relay_events
