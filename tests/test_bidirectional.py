@@ -15,6 +15,7 @@ import pytest
 from conftest import ServerProcess
 from test_engine import Recorder
 from test_engine import run_until_finished as finish
+from test_fleet import indexed
 from test_router import start_up, wait_until
 
 from kvhandoff.config import EngineConfig
@@ -282,6 +283,8 @@ def test_two_routers_find_every_conversation_whichever_served_its_last_turn(colo
     try:
         assert set(routers) == {"router-0", "router-1"} and up.url not in {u for _, u in routers.values()}
         urls = [routers["router-0"][1], routers["router-1"][1]]
+        for url in urls:            # (until then, a router asks the workers whose events it does not follow yet)
+            indexed(url)
         for session, seed in (("two-routers", 60), (None, 61)):
             reports = conversation(urls, colocated.url, 4, seed=seed, session=session)
             for turn, report in enumerate(reports[1:], start=2):
@@ -324,23 +327,35 @@ def test_expired_and_evicted_history_is_recomputed(colocated, tmp_path):
         assert got["handoff"]["reuse_decision"]["decision"] == "none"      # the router forgot it too
     finally:
         assert up.stop() == 0, up.text()[-3000:]
-    up = start_up(tmp_path, "push", *ENGINE, *NO_PREFILL_CACHE, "--bidirectional", "--reuse-policy", "always",
-                  "--retention-max-bytes", "1000")
-    try:
-        prompt = words(150, 70)
-        answer = complete(up.url, prompt, "cap")["choices"][0]["text"]
-        h = decode_health(up.url)
-        assert h["num_retained"] == 0 and h["num_free_blocks"] == h["num_blocks"], h
-        nxt = prompt + answer + " " + words(30, 71)
-        got = complete(up.url, nxt, "cap")
-        assert got["choices"][0]["text"] == complete(colocated.url, nxt)["choices"][0]["text"]
-        decision = got["handoff"]["reuse_decision"]
-        assert decision["decision"] == "recompute" and "no such retained KV" in decision["reason"], decision
-        metrics = httpx.get(h["url"] + "/metrics", timeout=10).text
-        assert 'kvhandoff_retention_events_total{event="evictions"} 2.0' in metrics
-        assert 'kvhandoff_retention_events_total{event="lease_misses"} 1.0' in metrics     # the fetch found it gone
-    finally:
-        assert up.stop() == 0, up.text()[-3000:]
+    # A cap smaller than one turn: the decode worker lets the turn go as it keeps it. The router hears
+    # it from the worker's KV events and does not offer it; a worker without events (or one whose
+    # events lag) is not heard, and the next turn's fetch finds the KV gone and recomputes.
+    for events, seed in ((True, 70), (False, 72)):
+        up = start_up(tmp_path, "push", *ENGINE, *NO_PREFILL_CACHE, "--bidirectional", "--reuse-policy", "always",
+                      "--retention-max-bytes", "1000", *([] if events else ["--decode-args=--no-kv-events"]))
+        try:
+            prompt = words(150, seed)
+            answer = complete(up.url, prompt, "cap")["choices"][0]["text"]
+            h = decode_health(up.url)
+            assert h["num_retained"] == 0 and h["num_free_blocks"] == h["num_blocks"], h
+            nxt = prompt + answer + " " + words(30, seed + 1)
+            if events:              # (the eviction's event is on its way: give it the moment it takes)
+                wait_until(lambda: httpx.get(up.url + "/health", timeout=10).json()["kv_index"]["retained_turns"] == 0,
+                           "the router still offers the evicted turn")
+            got = complete(up.url, nxt, "cap")
+            assert got["choices"][0]["text"] == complete(colocated.url, nxt)["choices"][0]["text"]
+            decision = got["handoff"]["reuse_decision"]
+            metrics = httpx.get(h["url"] + "/metrics", timeout=10).text
+            assert 'kvhandoff_retention_events_total{event="evictions"} 2.0' in metrics
+            if events:
+                assert decision["decision"] == "none", decision
+                misses = re.search(r'kvhandoff_retention_events_total\{event="lease_misses"\} (\S+)', metrics)
+                assert misses is None or float(misses[1]) == 0, misses[0]     # nothing was asked for it
+            else:
+                assert decision["decision"] == "recompute" and "no such retained KV" in decision["reason"], decision
+                assert 'kvhandoff_retention_events_total{event="lease_misses"} 1.0' in metrics  # the fetch found it gone
+        finally:
+            assert up.stop() == 0, up.text()[-3000:]
 
 
 def test_a_token_exact_client_reuses_the_whole_history(colocated, tmp_path):

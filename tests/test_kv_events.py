@@ -3,7 +3,10 @@ turns in vLLM's KV-event format, every router keeps an index from them, and no l
 worker on a request's path. Real workers, real routers, real ZMQ and HTTP."""
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -223,3 +226,24 @@ def test_events_need_the_deployment_secret(workers):
             dealer.close()
     finally:
         context.destroy(linger=0)
+
+
+def test_the_router_bench_routes_a_fleet_by_events_and_without_them_by_asking(tmp_path):
+    """`python -m kvhandoff.bench.router --workers N`: instant workers that publish what they hold; the
+    router asks none of them on the request path, and its index took their events. With --no-events
+    the same load is routed as before events: every prefill and decode worker asked on each turn."""
+    def run(*extra: str) -> dict:
+        out = tmp_path / ("asking" if extra else "events")
+        bench = subprocess.run([sys.executable, "-m", "kvhandoff.bench.router", "--modes", "push", "--workers", "4",
+                                "--requests", "120", "--latency-requests", "10", "--concurrency", "4",
+                                "--out", str(out), *extra], capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+        [result] = json.loads((out / "results.json").read_text())
+        assert result["failed"] == 0 and result["workers"] == 4, result
+        return result
+    events = run()
+    assert events["index"]["events"] > 0 and events["index"]["blocks"] > 0 and events["resync_ms"] is not None
+    assert not any("/kv/" in path for path in events["worker_calls"]), events["worker_calls"]
+    asking = run("--no-events")
+    calls = asking["worker_calls"]
+    assert calls.get("prefill /kv/prompt", 0) >= 2 and calls.get("decode /kv/retained/find", 0) >= 2, calls

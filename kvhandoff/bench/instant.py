@@ -37,13 +37,26 @@ RETENTION_TTL_S = 480.0
 class Holdings:
     """What one instant worker holds, published as KV events (an LRU of prefix blocks; retained turns)."""
 
-    def __init__(self, secret: bytes, capacity: int):
+    def __init__(self, secret: bytes, capacity: int, publish: bool = True):
         self.capacity = capacity
         self.lock = threading.Lock()            # (the publisher's thread takes snapshots)
         self.blocks: OrderedDict[bytes, tuple] = OrderedDict()
         self.retained: dict[str, tuple] = {}    # session -> its RETAINED event
-        self.publisher = Publisher(secret, "127.0.0.1", BLOCK_SIZE, "CPU", lambda fn: fn(), self.snapshot)
-        self.publisher.start()
+        self.publisher = None
+        if publish:         # (without: routers ask it instead, /kv/prompt and /kv/retained/find, as before events)
+            self.publisher = Publisher(secret, "127.0.0.1", BLOCK_SIZE, "CPU", lambda fn: fn(), self.snapshot)
+            self.publisher.start()
+
+    def publish(self, events: list[tuple]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(events)
+
+    def cached_blocks(self, ids: list[int]) -> tuple[list[bytes], int]:
+        """The prompt's chain and how many of its leading blocks are held (what /kv/prompt answers)."""
+        hashes = hash_chain(ids, BLOCK_SIZE)
+        with self.lock:
+            held = next((i for i, h in enumerate(hashes) if h not in self.blocks), len(hashes))
+        return hashes, held
 
     def prefilled(self, ids: list[int]) -> None:
         events, parent = [], None
@@ -58,7 +71,7 @@ class Holdings:
             while len(self.blocks) > self.capacity:
                 events.append((REMOVED, self.blocks.popitem(last=False)[0]))
             if events:
-                self.publisher.publish(events)
+                self.publish(events)
 
     def kept(self, session: str, ids: list[int]) -> dict:
         """A decode turn kept for its session (the previous one let go); what the router is told."""
@@ -71,7 +84,7 @@ class Holdings:
             if old is not None:
                 events.insert(0, (UNRETAINED, old[1], old[3]))
             self.retained[session] = events[-1]
-            self.publisher.publish(events)
+            self.publish(events)
         return {"retention_id": retention_id, "num_tokens": len(full), "block_hashes": [h.hex() for h in hashes],
                 "expires_in_s": RETENTION_TTL_S, "bytes": 0, "session": session}
 
@@ -177,10 +190,37 @@ def count(request: web.Request) -> None:
     counts[request.path] = counts.get(request.path, 0) + 1
 
 
+async def prompt_facts(request: web.Request) -> web.Response:
+    """/kv/prompt: what a router without events asks of every prefill worker on a request's path."""
+    count(request)
+    query = msgspec.json.decode(await request.read())
+    prompt = (query.get("request") or {}).get("prompt")
+    if not isinstance(prompt, list) or request.app["holdings"] is None:
+        return web.json_response({"error": {"message": "token-id prompts only"}}, status=400)
+    hashes, held = request.app["holdings"].cached_blocks(prompt)
+    return web.json_response({"num_tokens": len(prompt), "block_size": BLOCK_SIZE,
+                              "block_hashes": [h.hex() for h in hashes], "cached_blocks": held})
+
+
+async def retained_find(request: web.Request) -> web.Response:
+    """/kv/retained/find: what a router without events asks of every decode worker on a turn's path."""
+    count(request)
+    query = msgspec.json.decode(await request.read())
+    holdings = request.app["holdings"]
+    kept = holdings.retained.get(query.get("session")) if holdings is not None else None
+    if kept is None:
+        return web.json_response({"retained": None})
+    _, retention_id, session, hashes, full = kept
+    return web.json_response({"retained": {"retention_id": retention_id, "num_tokens": len(full),
+                                           "block_hashes": [h.hex() for h in hashes], "expires_in_s": RETENTION_TTL_S,
+                                           "bytes": 0, "session": session, "matched_blocks": len(hashes)}})
+
+
 async def ok(request: web.Request) -> web.Response:
     holdings = request.app["holdings"]
-    events = {} if holdings is None else {"kv_events": holdings.publisher.health(RETENTION_TTL_S, ""),
-                                          "num_blocks": holdings.capacity}
+    events = {} if holdings is None else {"num_blocks": holdings.capacity}
+    if holdings is not None and holdings.publisher is not None:
+        events["kv_events"] = holdings.publisher.health(RETENTION_TTL_S, "")
     return web.json_response({"status": "ok", "role": request.app["role"], "num_running": 0, "num_waiting": 0,
                               "served": request.app["counts"], **events})
 
@@ -201,6 +241,8 @@ def app(role: str, holdings: Holdings | None = None) -> web.Application:
     application.router.add_get("/health", ok)
     for path in ("/kv/cancel", "/kv/release", "/kv/failed", "/kv/retained/release"):
         application.router.add_post(path, control)
+    application.router.add_post("/kv/prompt", prompt_facts)
+    application.router.add_post("/kv/retained/find", retained_find)
     return application
 
 
@@ -211,6 +253,8 @@ def main() -> None:
     p.add_argument("--ports", help="several workers in this process, one per port (comma-separated)")
     p.add_argument("--capacity", type=int, default=0,
                    help="publish KV events (needs $KVHANDOFF_SECRET) for a prefix cache of this many blocks")
+    p.add_argument("--no-events", action="store_true",
+                   help="with --capacity: publish nothing (routers ask: /kv/prompt, /kv/retained/find)")
     args = p.parse_args()
     ports = [args.port] if args.port else [int(x) for x in (args.ports or "").split(",") if x]
     if not ports:
@@ -219,13 +263,13 @@ def main() -> None:
     secret = os.environ.get("KVHANDOFF_SECRET", "").encode()
     if args.capacity and not secret:
         p.error("--capacity: KV events need the deployment secret ($KVHANDOFF_SECRET)")
-    web.run_app(serve(args.role, ports, args.capacity, secret), host="127.0.0.1", port=ports[0], print=None,
-                access_log=None)
+    web.run_app(serve(args.role, ports, args.capacity, secret, not args.no_events), host="127.0.0.1", port=ports[0],
+                print=None, access_log=None)
 
 
-async def serve(role: str, ports: list[int], capacity: int, secret: bytes) -> web.Application:
+async def serve(role: str, ports: list[int], capacity: int, secret: bytes, publish: bool) -> web.Application:
     """Every port's app on one loop (web.run_app runs the first; the others are started here)."""
-    apps = [app(role, Holdings(secret, capacity) if capacity else None) for _ in ports]
+    apps = [app(role, Holdings(secret, capacity, publish) if capacity else None) for _ in ports]
     for application, port in zip(apps[1:], ports[1:]):
         runner = web.AppRunner(application, access_log=None)
         await runner.setup()

@@ -218,7 +218,7 @@ async def bench_mode(mode: str, args, out: Path) -> Result:
     ports = {role: [free_port() for _ in range(per_role)] for role in ("prefill", "decode")}
     router_port = free_port()
     own_ports = [free_port() for _ in range(args.routers)] if args.routers > 1 else [router_port]
-    events = ["--capacity", str(args.capacity)] if args.workers else []
+    events = (["--capacity", str(args.capacity)] + (["--no-events"] if args.no_events else [])) if args.workers else []
     procs = [spawn(["kvhandoff.bench.instant", "--role", role, "--ports", ",".join(map(str, ports[role])), *events],
                    rest, out / f"instant-{role}-{mode}-{args.workers}.log") for role in ("prefill", "decode")]
     fleet = {role: [f"http://127.0.0.1:{p}" for p in ports[role]] for role in ports}
@@ -240,7 +240,7 @@ async def bench_mode(mode: str, args, out: Path) -> Result:
         procs += routers
         for port in own_ports:
             await wait_up(f"http://127.0.0.1:{port}")
-            if args.workers:
+            if args.workers and not args.no_events:
                 await synced(f"http://127.0.0.1:{port}", 2 * per_role)
         await wait_up(front)
         idle_before, idle_started = sum(cpu_seconds(r.pid) for r in routers), time.perf_counter()
@@ -256,7 +256,8 @@ async def bench_mode(mode: str, args, out: Path) -> Result:
         ttft, e2e = await latencies(front, request, args.latency_requests)
         alone_ms = (sum(cpu_seconds(r.pid) for r in routers) - cpu_before) * 1e3 / args.latency_requests
         direct, _ = await latencies(fleet["decode"][0], request, args.latency_requests)
-        stats_before = await admin(f"http://127.0.0.1:{own_ports[0]}", "/admin/kv-index") if args.workers else {}
+        indexed = args.workers and not args.no_events
+        stats_before = await admin(f"http://127.0.0.1:{own_ports[0]}", "/admin/kv-index") if indexed else {}
         cpu_before, served_before = sum(cpu_seconds(r.pid) for r in routers), await served(fleet)
         seconds, failed = await load(front, request, args.requests, args.concurrency)
         cpu = sum(cpu_seconds(r.pid) for r in routers) - cpu_before
@@ -265,7 +266,7 @@ async def bench_mode(mode: str, args, out: Path) -> Result:
                         statistics.median(direct), pct(direct, 0.99), cpu * 1e3 / args.requests,
                         args.requests / seconds, failed, {k: v for k, v in calls.items() if v}, 2 * per_role,
                         idle_cpu_ms_per_s=idle_ms_per_s, cpu_ms_one_at_a_time=alone_ms)
-        if args.workers:
+        if indexed:
             stats = await admin(f"http://127.0.0.1:{own_ports[0]}", "/admin/kv-index")
             absorbed = stats["events"] - stats_before["events"]
             result.events_per_s, result.index = absorbed / seconds, stats
@@ -305,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                         "no events, one fixed prompt)")
     p.add_argument("--policy", default="cache-aware", choices=["cache-aware", "fewest-in-flight"],
                    help="prefill policy with --workers (default: %(default)s)")
+    p.add_argument("--no-events", action="store_true",
+                   help="with --workers: the instant workers publish no KV events, so the router asks every one "
+                        "on each request's path (/kv/prompt, /kv/retained/find): routing as it was before them")
     p.add_argument("--capacity", type=int, default=512,
                    help="with --workers: prefix-cache blocks each instant worker holds (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("router-bench"), help="logs and results.json (default: %(default)s)")

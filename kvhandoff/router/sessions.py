@@ -112,7 +112,8 @@ class SessionMap:
         return [self.drop(key) for key, entry in list(self.entries.items()) if entry.expiry <= now]
 
 
-DEFAULT_TTL_S = 480.0           # a worker's retention ttl when its events do not say (worker/config.py's default)
+DEFAULT_TTL_S = 480.0
+GONE_REMEMBERED = 4096          # retention ids let go that the router keeps in mind (Sessions.gone)           # a worker's retention ttl when its events do not say (worker/config.py's default)
 
 # A decode worker that does not answer a lookup in this long is skipped (its turns are recomputed):
 # the lookup is on every bidirectional turn's critical path.
@@ -127,6 +128,7 @@ class Sessions:
         self.router = router
         self.map = SessionMap()
         self.last_sweep = 0.0
+        self.gone: OrderedDict[str, None] = OrderedDict()      # retention ids whose removal events came
 
     async def find(self, attempt) -> SessionEntry | None:
         """Where this conversation's history is kept: by the client's session id, else by the longest
@@ -137,20 +139,29 @@ class Sessions:
             for entry in self.map.sweep():
                 log.debug("session %s: retained KV expired", entry.key)
         # With one router its map knows every turn; with several, the events tell it the others' turns,
-        # and only the decode workers whose events are not fresh are asked.
+        # and only the decode workers whose events are not fresh are asked (another router may have
+        # left a newer turn there: the newer of the two wins).
         fresh = self.router.feeds.fresh_urls()
         stale = [w for w in self.router.pool.serving("decode") if w.url not in fresh] \
             if self.router.config.shared_sessions else []
         if attempt.session_id is not None:
-            return self.map.get(attempt.session_id) or (await self.ask_workers(stale, attempt.session_id, [])
-                                                        if stale else None)
+            known = self.map.get(attempt.session_id)
+            return self.newer(known, await self.ask_workers(stale, attempt.session_id, []) if stale else None)
         if not stale and not len(self.map):
             return None
         if await self.router.prompt_facts(attempt) is None:
             log.warning("handoff %s: no prompt hashes from a prefill worker: no reuse", attempt.handoff_id)
             return None
         hashes = attempt.facts.block_hashes
-        return self.map.match(hashes) or (await self.ask_workers(stale, None, hashes) if stale and hashes else None)
+        known = self.map.match(hashes)
+        return self.newer(known, await self.ask_workers(stale, None, hashes) if stale and hashes else None)
+
+    def newer(self, known: SessionEntry | None, asked: SessionEntry | None) -> SessionEntry | None:
+        """Of what the map knew and what a worker without events answered, the later kept (recorded)."""
+        if asked is None or (known is not None and known.kept_at >= asked.kept_at):
+            return known
+        self.map.record(asked)
+        return asked
 
     def event_retained(self, url: str, event: E.BlockStored, ttl_s: float | None, kept_at: float) -> None:
         """A decode worker's event (published at `kept_at`, wall clock): it keeps, or kept again, a turn."""
@@ -167,9 +178,13 @@ class Sessions:
                                      kept_at=kept_at))
 
     def event_unretained(self, url: str, event: E.BlockRemoved) -> None:
-        """A decode worker's event: a kept turn expired, was evicted or superseded."""
+        """A decode worker's event: a kept turn expired, was evicted or superseded. Remembered a while,
+        since the decode answer that reports the turn kept can come after (a turn evicted at once)."""
         if event.ownership:
             self.map.drop_retained(event.ownership)
+            self.gone[event.ownership] = None
+            while len(self.gone) > GONE_REMEMBERED:
+                self.gone.popitem(last=False)
 
     def worker_cleared(self, url: str) -> None:
         """A decode worker restarted or left (or sends a snapshot): none of its turns is kept any more."""
@@ -178,8 +193,8 @@ class Sessions:
 
     async def ask_workers(self, workers: list, session_id: str | None, hashes: list[str]) -> SessionEntry | None:
         """These decode workers at once: the conversation's newest retained turn (by session id), else
-        the one sharing the most leading blocks with the prompt. Recorded in this router's map too, so
-        that remember() frees it once the turn it serves is kept elsewhere."""
+        the one sharing the most leading blocks with the prompt (find() records it in the map if it is
+        the newer, so that remember() frees it once the turn it serves is kept elsewhere)."""
         query = M.RetainedQuery(session=session_id, block_hashes=hashes).to_dict()
         self.router.metrics.asked.labels("/kv/retained/find").inc(len(workers))
 
@@ -200,10 +215,17 @@ class Sessions:
             return None
         url, retained, _ = max(answers, key=lambda a: (a[2], a[1].expires_in_s))
         key = session_id or f"anon:{retained.retention_id}"
-        entry = SessionEntry(key, url, retained.retention_id, retained.num_tokens, list(retained.block_hashes),
-                             time.monotonic() + retained.expires_in_s, retained.bytes)
-        self.map.record(entry)
-        return entry
+        ttl = self.ttl_of(url)      # (kept at: as long before now as its ttl is longer than what is left)
+        kept_at = time.time() - (ttl - retained.expires_in_s if ttl is not None else 0.0)
+        return SessionEntry(key, url, retained.retention_id, retained.num_tokens, list(retained.block_hashes),
+                            time.monotonic() + retained.expires_in_s, retained.bytes, kept_at=kept_at)
+
+    def ttl_of(self, url: str) -> float | None:
+        """A decode worker's retention ttl, as its /health says (its KV events' description)."""
+        worker = self.router.pool.find(url)
+        about = worker.last_health.get("kv_events") if worker is not None else None
+        ttl = about.get("retention_ttl_s") if isinstance(about, dict) else None
+        return float(ttl) if isinstance(ttl, (int, float)) else None
 
     def remember(self, attempt, retained: M.Retained | None) -> dict | None:
         """Record where this turn's KV is kept now; forget (and free) the turn it replaces. Returns
@@ -220,8 +242,9 @@ class Sessions:
                 holder = self.router.pool.find(old.decode_url)
                 if holder is not None:
                     self.router.tell(holder, "/kv/retained/release", {"retention_id": old.retention_id})
-        self.map.record(SessionEntry(key, attempt.decode.url, retained.retention_id, retained.num_tokens,
-                                     list(retained.block_hashes), time.monotonic() + retained.expires_in_s,
-                                     retained.bytes))
+        if retained.retention_id not in self.gone:     # (its worker let it go already: its event came first)
+            self.map.record(SessionEntry(key, attempt.decode.url, retained.retention_id, retained.num_tokens,
+                                         list(retained.block_hashes), time.monotonic() + retained.expires_in_s,
+                                         retained.bytes))
         # The client sees where its history is kept, not the hash chain (protocol payload).
         return {k: v for k, v in retained.to_dict().items() if k != "block_hashes"} | {"session": key}
