@@ -245,9 +245,9 @@ class Router:
         """The prompt's facts made here (prompts.py), as the prefill workers whose events are fresh see it."""
         fresh = self.feeds.fresh_urls()
         for worker in self.pool.serving("prefill"):
-            if worker.url in fresh:
-                info = self.feeds.feeds[worker.url].info
-                return self.prompts.facts(info.tokenizer, info.block_size, attempt.endpoint, attempt.body)
+            feed = self.feeds.feeds.get(worker.url) if worker.url in fresh else None
+            if feed is not None:
+                return self.prompts.facts(feed.info.tokenizer, feed.info.block_size, attempt.endpoint, attempt.body)
         return None
 
     def spawn(self, coro: Awaitable) -> None:

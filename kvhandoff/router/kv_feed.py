@@ -79,6 +79,7 @@ class Feeds:
         """The worker left (or restarted): its feed ends and what it held is forgotten."""
         feed = self.feeds.pop(url, None)
         if feed is not None:
+            self.fresh_at = float("-inf")           # (fresh_urls() named it: not any more)
             for task in (feed.task, feed.resyncing):
                 if task is not None:
                     task.cancel()
