@@ -112,8 +112,8 @@ class SessionMap:
         return [self.drop(key) for key, entry in list(self.entries.items()) if entry.expiry <= now]
 
 
-DEFAULT_TTL_S = 480.0
-GONE_REMEMBERED = 4096          # retention ids let go that the router keeps in mind (Sessions.gone)           # a worker's retention ttl when its events do not say (worker/config.py's default)
+DEFAULT_TTL_S = 480.0           # a worker's retention ttl when its events do not say (worker/config.py's default)
+GONE_REMEMBERED = 4096          # retention ids let go that the router keeps in mind (Sessions.gone)
 
 # A decode worker that does not answer a lookup in this long is skipped (its turns are recomputed):
 # the lookup is on every bidirectional turn's critical path.
