@@ -90,11 +90,11 @@ async def remove_worker(router, request: Request) -> JSONResponse:
 
 async def kv_index(router, request: Request) -> JSONResponse:
     check_control(request, router.config.secret)
+    sessions = router.index.sessions            # (ours; None in front of vLLM's workers)
     if request.query_params.get("url") is None:
-        return JSONResponse(router.index.stats() | {"retained_turns": len(getattr(router.sessions, "map", ()))})
+        return JSONResponse(router.index.stats() | {"retained_turns": len(sessions.map) if sessions else 0})
     url = one_url(request.query_params.get("url"))
-    retained = sorted(e.retention_id for e in router.sessions.map.entries.values() if e.decode_url == url) \
-        if hasattr(router.sessions, "map") else []
+    retained = sorted(e.retention_id for e in sessions.map.entries.values() if e.decode_url == url) if sessions else []
     return JSONResponse({"url": url, "fresh": router.feeds.fresh(url), "blocks": sorted(k.hex() for k in
                          router.index.held(url)), "retained": retained})
 

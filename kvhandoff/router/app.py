@@ -402,7 +402,8 @@ class Router:
                 "health_interval": self.config.health_interval,
                 "num_in_flight": self.num_in_flight, "workers": reports,
                 "kv_index": {"blocks": len(self.index.holders), "tokenizers": sorted(self.prompts.tokenizers),
-                             "retained_turns": len(getattr(self.sessions, "map", ())), "feeds": self.feeds.status()}}
+                             "retained_turns": len(self.index.sessions.map) if self.index.sessions else 0,
+                             "feeds": self.feeds.status()}}
         if missing:
             body["error"] = f"no healthy {' or '.join(missing)} worker"
         return JSONResponse(body, status_code=503 if missing else 200)

@@ -55,16 +55,15 @@ class Prompts:
         """The prompt's token ids as a worker with this tokenizer makes them; None if unknown here.
         (A completion's prompt of token ids needs no tokenizer.)"""
         tokenizer = self.tokenizers.get(fingerprint)
-        if tokenizer is None:
-            prompt = body.get("prompt") if endpoint != CHAT else None
-            return prompt if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int} else None
+        prompt = body.get("prompt")
         try:
             if endpoint == CHAT:
+                if tokenizer is None:
+                    return None
                 messages = P.ChatCompletionRequest.model_validate(body).template_messages()
                 ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
             else:
-                prompt = body.get("prompt")
-                ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                ids = tokenizer.encode(prompt) if isinstance(prompt, str) and tokenizer is not None else prompt
         except (ValidationError, TemplateError, ValueError, TypeError, LookupError):      # the worker says why, with a 400
             return None
         return ids if isinstance(ids, list) and ids and set(map(type, ids)) == {int} else None
