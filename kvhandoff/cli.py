@@ -19,7 +19,7 @@ from kvhandoff.config import EngineConfig, ModelNotFound
 from kvhandoff.wire import modes
 from kvhandoff.wire.auth import OPEN_PATHS
 from kvhandoff.wire.cost import ReusePolicy
-from kvhandoff.wire.modes import COLOCATED, ROLES, DecodePolicy, FailurePolicy, Mode, PrefillPolicy
+from kvhandoff.wire.modes import COLOCATED, ROLES, DecodePolicy, FailurePolicy, Mode, PrefillPolicy, Role
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DECODE_POLICIES = tuple(p.value for p in DecodePolicy)
@@ -125,8 +125,9 @@ def guard(app, args: argparse.Namespace, secret: bytes | None, who: str) -> bool
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """`kvhandoff serve`'s handoff flags, a group per side they concern."""
     g = p.add_argument_group("disaggregation (docs/HANDOFF.md)")
-    g.add_argument("--role", default="both", choices=["both", *ROLES],
+    g.add_argument("--role", type=Role, default=Role.BOTH, choices=[Role.BOTH, *ROLES],
                    help="both: colocated; prefill/decode: one side of a handoff (default: %(default)s)")
     g.add_argument("--kv-secret", default=None,
                    help="deployment secret shared with the router and peers (prefer $KVHANDOFF_SECRET: "
@@ -140,17 +141,24 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-shm-dir", default="/dev/shm",
                    help="where the shared-memory KV pool lives; a tmpfs mounted with huge=within_size "
                         "makes same-host copies ~2x faster here (default: %(default)s)")
-    g.add_argument("--lease-s", type=float, default=30.0,
-                   help="pull: seconds prefill keeps a prompt's KV for the decode side (default: %(default)s)")
     g.add_argument("--kv-timeout-s", type=float, default=30.0,
                    help="push: seconds either side waits for the other (default: %(default)s)")
+    g = p.add_argument_group("prefill side")
+    g.add_argument("--lease-s", type=float, default=30.0,
+                   help="pull: seconds prefill keeps a prompt's KV for the decode side (default: %(default)s)")
+    g = p.add_argument_group("decode side")
     g.add_argument("--kv-load-failure-policy", default="recompute", choices=FAILURE_POLICIES,
-                   help="decode side, when KV cannot be loaded or fails verification (default: %(default)s)")
+                   help="when KV cannot be loaded or fails verification (default: %(default)s)")
+    add_bidirectional_worker_args(p)
+    g = p.add_argument_group("testing")
     g.add_argument("--inject-faults", default=None, metavar="SPEC",
                    help="TESTING ONLY: make this worker's transfers fail or slow, its notifications vanish, or "
                         "kill it at a phase, e.g. read_fail, write_fail, slow_ms=300, drop=done+release, "
                         "delay_ms=500, step_ms=200, verify_ms=1000, kill_at=registered|transfer|decode "
                         "(kvhandoff/worker/faults.py)")
+
+
+def add_bidirectional_worker_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bidirectional multi-turn reuse (with the router's --bidirectional)")
     g.add_argument("--bidirectional", action="store_true",
                    help="decode: keep each finished turn's KV for the conversation's next turn; prefill: read "
@@ -186,41 +194,75 @@ def setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """One colocated instance: engine + OpenAI-compatible HTTP server."""
+    """One worker: engine + OpenAI-compatible HTTP server, and the handoff of a prefill or decode role."""
     setup_logging(args.log_level)
     log = logging.getLogger("kvhandoff.cli")
     log.debug("serve options: %s", {k: v for k, v in vars(args).items() if k not in ("kv_secret", "func")})
-    from kvhandoff.engine.engine import LLMEngine
-    from kvhandoff.model.paired_kv import OddBlockSize
-    from kvhandoff.engine.loop import EngineLoop
     from kvhandoff.wire.http import serve_forever
-    from kvhandoff.worker.server import EngineInfo, build_app
+    from kvhandoff.worker.app import WorkerSetupError, build_worker
 
+    config = worker_config(args)
+    routers = join_targets(args)
+    membership = None
+    if config.handoff.faults.any:
+        log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)
+    try:
+        worker = build_worker(config)
+    except WorkerSetupError as e:
+        raise SystemExit(f"kvhandoff serve: {e}") from None
+    worker.loop.on_fatal = stop_after_engine_failure
+    try:
+        if not guard(worker.app, args, config.secret, "serve") and args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("binding %s: the server is reachable from other machines and has no client "
+                        "authentication (--api-key)", args.host)
+        worker.start()
+
+        def ready(url: str) -> None:
+            nonlocal membership
+            print(f"kvhandoff: serving '{worker.loop.engine.served_name}' at {url}/v1 "
+                  f"(health {url}/health, metrics {url}/metrics)", flush=True)
+            if routers:
+                from urllib.parse import urlsplit
+
+                from kvhandoff.worker.membership import Membership, advertised_url
+                bound = urlsplit(url).port
+                membership = Membership(routers, args.role, advertised_url(args.host, bound, args.advertise_url),
+                                        config.secret)
+                membership.start()
+        serve_forever(worker.app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if membership is not None:
+            membership.leave()
+        worker.close()
+        log.info("engine stopped")
+        if worker.loop.fatal_error:            # (replaces the SystemExit(0) its SIGTERM became)
+            raise SystemExit(1)
+    return 0
+
+
+def worker_config(args: argparse.Namespace):
+    """`kvhandoff serve`'s flags as a WorkerConfig, checked: a mistake is a message before anything starts."""
+    from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
+    from kvhandoff.wire.cost import ReuseConfig
+    from kvhandoff.worker.app import WorkerConfig
+    from kvhandoff.worker.config import HandoffConfig, RetentionConfig
     from kvhandoff.worker.faults import Faults
     try:
         faults = Faults.parse(args.inject_faults)
     except ValueError as exc:
         raise SystemExit(f"kvhandoff serve: --inject-faults: {exc}") from None
-    # A colocated server has no handoff to fault: only its engine's faults mean anything there, and a
-    # fault that would be silently ignored is refused instead.
-    if args.role == "both" and faults != Faults(step_ms=faults.step_ms, engine_fail=faults.engine_fail):
-        raise SystemExit("kvhandoff serve: --inject-faults: a colocated server (--role both) takes only step_ms=N "
-                         "and engine_fail")
-    from kvhandoff.wire.auth import SECRET_ENV, resolve_secret
-    membership = None
-    routers = join_targets(args)
-    agent = connector = publisher = None
     # A colocated server needs no secret; with one (under `kvhandoff up`), its API key gate also lets
     # the launcher's health polls through.
     secret = resolve_secret(args.kv_secret)
-    if args.role == "both":
-        try:
-            engine = LLMEngine(engine_config(args))
-        except OddBlockSize as e:
-            raise SystemExit(f"kvhandoff serve: {e}") from None
+    if args.role == Role.BOTH:
+        # A colocated server has no handoff to fault: only its engine's faults mean anything there, and a
+        # fault that would be silently ignored is refused instead.
+        if faults != Faults(step_ms=faults.step_ms, engine_fail=faults.engine_fail):
+            raise SystemExit("kvhandoff serve: --inject-faults: a colocated server (--role both) takes only "
+                             "step_ms=N and engine_fail")
     else:
-        from kvhandoff.transfer.agent import WILDCARD_HOSTS, TransferAgent
-        from kvhandoff.wire.messages import PROTOCOL
         # A worker's KV pool is a host shared-memory tensor its peers copy from; a pool on the GPU with
         # transfers staged through pinned host memory is not built (nor tested on a GPU machine).
         if args.device == "cuda":
@@ -230,83 +272,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.device = "cpu"     # auto: never a GPU here, whatever the machine has (see above)
         if not secret:
             raise SystemExit(f"--role {args.role} needs the deployment secret: --kv-secret or ${SECRET_ENV}")
-        if (args.kv_host or args.host) in WILDCARD_HOSTS:
-            raise SystemExit(f"kvhandoff serve: the KV agent would listen on {args.kv_host or args.host} and could "
-                             "not tell its peers where to connect: pass --kv-host ADDRESS, this machine's address "
-                             "as the other workers see it")
-        worker_name = f"{args.role}-{args.port}-{os.getpid()}"
-        agent = TransferAgent(worker_name, secret, backend=args.kv_backend, listen_host=args.kv_host or args.host,
-                              shm_dir=args.kv_shm_dir, protocol=PROTOCOL)
-        from kvhandoff.transfer.memory import NoRoom
-        try:
-            engine = LLMEngine(engine_config(args), kv_allocator=lambda nbytes: agent.allocate_region("kv", nbytes))
-        except NoRoom as e:
-            agent.close()
-            raise SystemExit(f"kvhandoff serve: {e.strerror}") from None
-        except OddBlockSize as e:
-            agent.close()
-            raise SystemExit(f"kvhandoff serve: {e}") from None
-    loop = EngineLoop(engine)
-    if faults.any:
-        log.warning("FAULT INJECTION ENABLED (%s): this worker will fail on purpose", args.inject_faults)
-    loop.step_delay_s, loop.fail_steps = faults.step_ms / 1000, faults.engine_fail
-    loop.on_fatal = stop_after_engine_failure
-    try:
-        max_in_flight = args.max_in_flight if args.max_in_flight > 0 else None
-        app = build_app(loop, EngineInfo.from_engine(engine, alias=args.model), max_in_flight, args.queue_wait_s)
-        if not guard(app, args, secret, "serve") and args.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("binding %s: the server is reachable from other machines and has no client "
-                        "authentication (--api-key)", args.host)
-        if agent is not None:
-            from kvhandoff.wire.cost import ReuseConfig
-            from kvhandoff.worker.config import HandoffConfig, RetentionConfig
-            from kvhandoff.worker.connector import Connector
-            from kvhandoff.worker.handoff import WorkerHandoff, attach_worker_routes
-            handoff_cfg = HandoffConfig(args.lease_s, args.kv_timeout_s, args.kv_load_failure_policy,
-                                        bidirectional=args.bidirectional,
-                                        retention=RetentionConfig(args.retention_ttl, args.retention_max_bytes),
-                                        reuse=ReuseConfig(args.reuse_min_tokens, args.reuse_policy),
-                                        faults=faults)
-            # Wired before anything runs: the connector's threads start once it is whole, and the
-            # engine loop once the engine has its connector.
-            connector = Connector(loop, agent, handoff_cfg, worker_name)
-            if args.kv_events:
-                from kvhandoff.worker.kv_events import attach
-                publisher = attach(loop, connector.retention, secret, args.kv_host or args.host, faults.drop_events)
-            attach_worker_routes(app, WorkerHandoff(app.state.server, connector, args.role, secret, publisher))
-            connector.start()
-            if publisher is not None:
-                publisher.start()
-        loop.start()
-
-        def ready(url: str) -> None:
-            nonlocal membership
-            print(f"kvhandoff: serving '{engine.served_name}' at {url}/v1 "
-                  f"(health {url}/health, metrics {url}/metrics)", flush=True)
-            if routers:
-                from urllib.parse import urlsplit
-
-                from kvhandoff.worker.membership import Membership, advertised_url
-                bound = urlsplit(url).port
-                membership = Membership(routers, args.role, advertised_url(args.host, bound, args.advertise_url), secret)
-                membership.start()
-        serve_forever(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if membership is not None:
-            membership.leave()
-        loop.stop()
-        if connector is not None:
-            connector.close()
-        if publisher is not None:
-            publisher.close()
-        if agent is not None:
-            agent.close()       # unlinks the shared-memory KV pool
-        log.info("engine stopped")
-        if loop.fatal_error:            # (replaces the SystemExit(0) its SIGTERM became)
-            raise SystemExit(1)
-    return 0
+    handoff = HandoffConfig(args.lease_s, args.kv_timeout_s, args.kv_load_failure_policy,
+                            bidirectional=args.bidirectional,
+                            retention=RetentionConfig(args.retention_ttl, args.retention_max_bytes),
+                            reuse=ReuseConfig(args.reuse_min_tokens, args.reuse_policy), faults=faults)
+    return WorkerConfig(role=args.role, engine=engine_config(args), host=args.host, port=args.port, secret=secret,
+                        kv_host=args.kv_host, kv_backend=args.kv_backend, kv_shm_dir=args.kv_shm_dir,
+                        handoff=handoff, kv_events=args.kv_events,
+                        max_in_flight=args.max_in_flight if args.max_in_flight > 0 else None,
+                        queue_wait_s=args.queue_wait_s, model_alias=args.model)
 
 
 def join_targets(args: argparse.Namespace) -> list[str]:
@@ -318,7 +292,7 @@ def join_targets(args: argparse.Namespace) -> list[str]:
         return []
     from kvhandoff.router.pool import parse_urls
     from kvhandoff.worker.membership import advertised_url
-    if args.role == "both":
+    if args.role == Role.BOTH:
         raise SystemExit("kvhandoff serve: --join is for --role prefill or decode (a router's pool holds those)")
     try:
         routers = parse_urls(args.join)
@@ -692,8 +666,19 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description="Disaggregated LLM serving with KV handoff.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve_command(sub)
+    add_router_command(sub)
+    add_up_command(sub)
+    add_workers_command(sub)
+    add_bench_command(sub)
+    add_demo_command(sub)
+    add_simulate_command(sub)
+    add_bench_transfer_command(sub)
+    return parser
 
-    p = sub.add_parser("serve", help="run one colocated instance behind an OpenAI-compatible API",
+
+def add_serve_command(sub) -> None:
+    p = sub.add_parser("serve", help="run one worker (colocated, prefill or decode) behind an OpenAI-compatible API",
                        description=cmd_serve.__doc__)
     add_engine_args(p)
     add_http_args(p, port=8000)
@@ -714,6 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "needed when --host is 0.0.0.0 or ::)")
     p.set_defaults(func=cmd_serve)
 
+
+def add_router_command(sub) -> None:
     p = sub.add_parser("router", help="the OpenAI-compatible front over prefill and decode workers",
                        description=cmd_router.__doc__)
     p.add_argument("--prefill", required=True, metavar="URL[,URL...]", help="prefill workers' base URLs")
@@ -749,6 +736,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_router)
 
+
+def add_up_command(sub) -> None:
     p = sub.add_parser("up", help="start workers and router locally in one command",
                        description=cmd_up.__doc__)
     p.add_argument("--mode", required=True, choices=modes.STACK_MODES,
@@ -820,15 +809,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_args(p, port=8000)
     p.set_defaults(func=cmd_up)
 
+
+def add_workers_command(sub) -> None:
     p = sub.add_parser("workers", help="list, add or remove a running router's workers",
                        description=cmd_workers.__doc__)
     p.add_argument("action", choices=["list", "add", "remove"])
     p.add_argument("--router", default="http://127.0.0.1:8000", help="the router's URL (default: %(default)s)")
-    p.add_argument("--role", choices=ROLES, help="add: the new worker's role")
+    p.add_argument("--role", type=Role, choices=ROLES, help="add: the new worker's role")
     p.add_argument("--url", help="add/remove: the worker's base URL, e.g. http://127.0.0.1:8101")
     p.add_argument("--kv-secret", default=None, help="the deployment secret (prefer $KVHANDOFF_SECRET)")
     p.set_defaults(func=cmd_workers)
 
+
+def add_bench_command(sub) -> None:
     p = sub.add_parser("bench", help="measure TTFT/TPOT/goodput of an endpoint or of our stacks under a workload",
                        description=cmd_bench.__doc__)
     which = p.add_mutually_exclusive_group(required=True)
@@ -882,6 +875,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, default=Path("bench-out"), help="(default: %(default)s)")
     p.set_defaults(func=cmd_bench)
 
+
+def add_demo_command(sub) -> None:
     p = sub.add_parser("demo", help="every mode side by side in ~5 min: isolated phases over a free and a slow link, "
                                     "then multi-turn reuse",
                        description=cmd_demo.__doc__)
@@ -898,12 +893,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", default=None, metavar="PATH", help="--engine vllm: vLLM's interpreter")
     p.set_defaults(func=cmd_demo)
 
+
+def add_simulate_command(sub) -> None:
     p = sub.add_parser("simulate", help="a calibrated discrete-event model of a fleet, fitted on a bench run",
                        description=cmd_simulate.__doc__)
     from kvhandoff.sim.command import add_args as add_simulate_args
     add_simulate_args(p)
     p.set_defaults(func=cmd_simulate)
 
+
+def add_bench_transfer_command(sub) -> None:
     p = sub.add_parser("bench-transfer", help="measure the KV transfer backends (GB/s and 4 KiB latency)",
                        description=cmd_bench_transfer.__doc__)
     p.add_argument("--backends", default="shm,tcp,nixl",
@@ -919,7 +918,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.set_defaults(func=cmd_bench_transfer)
-    return parser
 
 
 def _exit_on_sigterm(signum, frame):

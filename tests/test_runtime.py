@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -18,34 +17,36 @@ from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import SamplingParams
 from kvhandoff.transfer.agent import TransferAgent
 from kvhandoff.wire import messages as M
-from kvhandoff.wire.modes import Mode
+from kvhandoff.wire.modes import Mode, Role
+from kvhandoff.worker.app import build_handoff
+from kvhandoff.worker.arrivals import Incoming
 from kvhandoff.worker.config import HandoffConfig
-from kvhandoff.worker.connector import Connector
-from kvhandoff.worker.handoff import HTTPControl
-from kvhandoff.worker.layerwise import MIN_WRITE_BYTES, LayerwisePrefill
-from kvhandoff.worker.push import PushJob
+from kvhandoff.worker.control import HTTPControl
+from kvhandoff.worker.inflight import Counters
 from kvhandoff.worker.kv_layout import KVLayout, block_checksums
-from kvhandoff.worker.runtime import Counters, Incoming
+from kvhandoff.worker.protocol import layers as L
+from kvhandoff.worker.protocol.layers import MIN_WRITE_BYTES
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture
-def worker():
-    """(engine loop, connector, agent): a decode-capable worker without HTTP."""
+@pytest.fixture(params=[Role.DECODE])
+def worker(request):
+    """(engine loop, handoff, agent): a worker of the role the test names (indirect), without HTTP."""
     agent = TransferAgent("runtime-test", b"runtime-test-secret", protocol=M.PROTOCOL)
     engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_blocks=64),
                        kv_allocator=lambda nbytes: agent.allocate_region("kv", nbytes))
     loop = EngineLoop(engine)
     before = {t.name for t in threading.enumerate()}
-    connector = Connector(loop, agent, HandoffConfig(kv_timeout_s=5), "runtime-test")
-    # Nothing runs before the connector is whole and started (its threads used to start first).
+    handoff = build_handoff(request.param, HandoffConfig(kv_timeout_s=5), "runtime-test", agent, loop,
+                            b"runtime-test-secret")
+    # Nothing runs before the handoff is whole and started (its threads used to start first).
     assert not any(t.name.startswith("kvh-") for t in threading.enumerate() if t.name not in before)
-    connector.start()
+    handoff.start()
     loop.start()
-    yield loop, connector, agent
+    yield loop, handoff, agent
     loop.stop()
-    connector.close()
+    handoff.close()
     agent.close()
 
 
@@ -53,24 +54,23 @@ def test_exactly_one_outcome_per_handoff(worker):
     """Arrival, failure, deadline, cancel and peer death race for a handoff: the table's claim lets
     exactly one of them decide it. (A failure racing an arrival once ran both: the engine got
     kv_failed then kv_ready for one request, and the counters counted it twice.)"""
-    _, connector, _ = worker
-    rt = connector.rt
+    _, handoff, _ = worker
     n = 200
-    incomings = [Incoming(f"race-{i}", 32, side=connector.pull_decode, checksums=[], first_token=3) for i in range(n)]
+    incomings = [Incoming(f"race-{i}", 32, side=handoff.decode.pull, checksums=[], first_token=3) for i in range(n)]
     for incoming in incomings:
-        rt.table.add(incoming.handoff_id, incoming)
-    before = rt.counters.snapshot()
+        handoff.table.add(incoming.handoff_id, incoming)
+    before = handoff.counters.snapshot()
     start = threading.Barrier(2)
 
     def arrive():
         start.wait()
         for incoming in incomings:
-            rt.arrived(incoming)
+            handoff.arrivals.arrived(incoming)
 
     def fail():
         start.wait()
         for incoming in incomings:
-            rt.fail(incoming, "deadline")
+            handoff.arrivals.fail(incoming, "deadline")
 
     threads = [threading.Thread(target=arrive), threading.Thread(target=fail)]
     for t in threads:
@@ -81,22 +81,22 @@ def test_exactly_one_outcome_per_handoff(worker):
     landed, lost = set(), set()
     deadline = time.monotonic() + 1
     while time.monotonic() < deadline:
-        events = rt.poll()
+        events = handoff.door.poll()
         landed |= {e.request_id for e in events.landed}
         lost |= {e.request_id for e in events.lost}
         time.sleep(0.01)
-    after = rt.counters.snapshot()
+    after = handoff.counters.snapshot()
     decided = (after["handoffs"] - before["handoffs"]) + (after["failures"] - before["failures"])
     assert decided == n, f"{decided} outcomes for {n} handoffs"
     assert not landed & lost and len(landed | lost) <= n
-    assert all(rt.table.ended(i.handoff_id) for i in incomings) and not rt.table.entries(Incoming)
+    assert all(handoff.table.ended(i.handoff_id) for i in incomings) and not handoff.table.entries(Incoming)
 
 
 def test_the_engine_thread_never_waits_on_the_network(worker):
     """A peer whose socket stalls stalls only the sender thread: the engine thread's hooks queue
     their notifications and go on. Here the Release that a failed pull READ owes its prefill cannot
     be sent, and the request still recomputes and finishes, and other requests keep running."""
-    loop, connector, agent = worker
+    loop, handoff, agent = worker
     stalled, attempts = threading.Event(), []
 
     def stalled_send(peer, message):            # a socket whose peer reads nothing
@@ -106,7 +106,7 @@ def test_the_engine_thread_never_waits_on_the_network(worker):
     try:
         # A notification from the engine thread itself returns at once.
         started = time.monotonic()
-        loop.call(lambda: connector.rt.notify("ghost", M.Cancel(handoff_id="x"))).result(5)
+        loop.call(lambda: handoff.mail.notify("ghost", M.Cancel(handoff_id="x"))).result(5)
         assert time.monotonic() - started < 0.5
 
         prompt = list(range(10, 110))
@@ -115,7 +115,7 @@ def test_the_engine_thread_never_waits_on_the_network(worker):
         kv = M.PullDecodeParams(handoff_id="stalled", mode=Mode.PULL, role="decode",
                                 protocol_version=M.PROTOCOL_VERSION, remote=remote)
         incoming = Incoming("stalled", len(prompt), peer="ghost", mode=Mode.PULL, remote_blocks=[0, 1, 2, 3],
-                            remote_layout=connector.rt.layout.peer(8), checksums=[0, 0, 0, 0], first_token=5)
+                            remote_layout=handoff.door.layout.peer(8), checksums=[0, 0, 0, 0], first_token=5)
         outputs: dict[str, list] = {"stalled": [], "bystander": []}
         done = {name: threading.Event() for name in outputs}
 
@@ -125,7 +125,7 @@ def test_the_engine_thread_never_waits_on_the_network(worker):
                 if out.finished:
                     done[name].set()
             return on_output
-        connector.pull_decode.submit(kv, incoming, prompt, GREEDY, collector("stalled"))
+        handoff.decode.pull.submit(kv, incoming, prompt, GREEDY, collector("stalled"))
         loop.submit("bystander", list(range(200, 260)), GREEDY, collector("bystander"))
         assert done["stalled"].wait(20) and done["bystander"].wait(20)
         final = outputs["stalled"][-1]
@@ -148,6 +148,7 @@ def test_counters_count_under_concurrency():
     assert counters.snapshot()["bytes"] == 8 * 20000 * 3
 
 
+@pytest.mark.parametrize("worker", [Role.PREFILL], indirect=True)
 @pytest.mark.parametrize("mode", [Mode.PULL, Mode.PUSH])
 def test_a_cancel_racing_the_prompts_end_leaves_nothing_pinned(worker, mode):
     """The router cancels prefill legs (its client left, the decode worker refused it) at every point
@@ -157,21 +158,21 @@ def test_a_cancel_racing_the_prompts_end_leaves_nothing_pinned(worker, mode):
     stayed for good: a pinned handoff left after a backpressure flood, in CI.)"""
     import random
 
-    loop, connector, _ = worker
-    side = connector.prefill_side(mode)
+    loop, handoff, _ = worker
+    side = handoff.prefill.of(mode)
     params_cls = M.PullPrefillParams if mode.is_pull else M.PushPrefillParams
     rng = random.Random(7)
     baseline = loop.stats()["num_free_blocks"]
     # What the engine thread reads of the table is a moment old by the time it acts on it (a thread
     # switch under load): made a few ms here, so that cancels land in that moment.
-    table_get = connector.rt.table.get
+    table_get = handoff.table.get
 
     def stale_get(handoff_id):
         found = table_get(handoff_id)
         if threading.current_thread().name == "engine-loop":
             time.sleep(0.003)
         return found
-    connector.rt.table.get = stale_get
+    handoff.table.get = stale_get
 
     async def one(i: int) -> None:
         handoff_id = f"cancel-race-{mode.value}-{i}"
@@ -180,7 +181,7 @@ def test_a_cancel_racing_the_prompts_end_leaves_nothing_pinned(worker, mode):
         task = asyncio.ensure_future(side.prefill(kv, prompt, SamplingParams(max_tokens=4, temperature=0),
                                                   on_first=lambda out: None))
         await asyncio.sleep(rng.random() * 0.03)
-        connector.cancel(handoff_id)
+        handoff.cancel(handoff_id)
         await asyncio.wait({task})
         task.exception() if not task.cancelled() else None      # a 409 or a pin released: both fine
 
@@ -222,21 +223,13 @@ def layerwise_writes(num_layers: int, token_bytes_per_layer: int, prompt_tokens:
     """The WRITEs layer-wise push queues while a prompt computes, chunk by chunk and layer by layer
     (each (first block, blocks, first layer, layers)); push's final WRITE takes the rest."""
     block_size = 32
-    blocks = -(-prompt_tokens // block_size)
-    side = LayerwisePrefill.__new__(LayerwisePrefill)
-    queued = []
-    side._queue = lambda job, table, span, first, count: queued.append((span.start, len(span), first, count))
-    job = PushJob("h", registration=SimpleNamespace(skip_blocks=0, block_ids=list(range(blocks))))
-    job.layerwise = True
-    request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt_tokens, block_table=list(range(blocks)),
-                              num_computed_tokens=0)
-    side.rt = SimpleNamespace(layout=SimpleNamespace(num_layers=num_layers, layer_bytes=block_size * token_bytes_per_layer),
-                              requests={"r": (side, job)}, block_size=block_size)
+    geometry = L.Geometry(num_layers, block_size * token_bytes_per_layer, block_size)
+    plan, queued = L.Plan(skip_blocks=0), []
     for start in range(0, prompt_tokens, chunk_tokens):
-        request.num_computed_tokens = start
-        chunk = SimpleNamespace(request=request, num_new_tokens=min(chunk_tokens, prompt_tokens - start))
+        end = start + min(chunk_tokens, prompt_tokens - start)
         for layer in range(num_layers):
-            side.on_layer(layer, [chunk])
+            plan, writes = L.on_layer(plan, layer, start, end, prompt_tokens, geometry)
+            queued += [(w.blocks.start, len(w.blocks), w.first_layer, w.num_layers) for w in writes]
     return queued
 
 

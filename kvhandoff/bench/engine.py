@@ -62,7 +62,7 @@ from kvhandoff.bench.limits import ModelWork, RoundReadRates, as_dict, paired_de
 from kvhandoff.bench.meta import cpu_model, git_commit, log, median
 from kvhandoff.config import EngineConfig
 from kvhandoff.engine.engine import LLMEngine
-from kvhandoff.engine.request import SamplingParams
+from kvhandoff.engine.request import FinishReason, SamplingParams
 
 # Issue 2's reference, as the issue states it: a mature CPU serving engine, same weights in bf16,
 # "on this machine" (which the issue says has AMX; the machines seen so far have AVX512-BF16 only).
@@ -153,7 +153,7 @@ def ours_decode(engine: LLMEngine, prompts: list[list[int]], n: int,
         if not outs and not engine.has_work():
             raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
         for out in outs:
-            if out.finish_reason == "error":
+            if out.finish_reason == FinishReason.ERROR:
                 raise RuntimeError(out.error)
             outputs[out.request_id] += out.new_token_ids
             waiting_first.discard(out.request_id)
@@ -284,7 +284,7 @@ class DecodeSteps:
             t0 = time.perf_counter()
             outs = self.engine.step()
             times.append((time.perf_counter() - t0) * 1e3)
-            assert not any(o.finish_reason == "error" for o in outs), outs
+            assert not any(o.finish_reason == FinishReason.ERROR for o in outs), outs
         return median(times)
 
     def measure(self) -> tuple[float, None]:

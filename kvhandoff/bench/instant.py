@@ -28,6 +28,7 @@ from aiohttp import web
 
 from kvhandoff.engine.block_pool import REMOVED, STORED, hash_chain
 from kvhandoff.wire import messages as M
+from kvhandoff.wire.modes import ROLES, Role
 from kvhandoff.worker.kv_events import RETAINED, UNRETAINED, Publisher
 
 BLOCK_SIZE = 32
@@ -119,7 +120,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     kv = body.get("kv_transfer_params") or {}
     chat = request.path.endswith("/chat/completions")
     rid = kv.get("handoff_id") or "instant"
-    if kv.get("role") == "prefill":
+    if kv.get("role") == Role.PREFILL:
         return await prefill(request, kv, chat, rid)
     return await decode(request, body, kv, chat, rid)
 
@@ -231,7 +232,7 @@ async def control(request: web.Request) -> web.Response:
     return web.json_response({})
 
 
-def app(role: str, holdings: Holdings | None = None) -> web.Application:
+def app(role: Role, holdings: Holdings | None = None) -> web.Application:
     application = web.Application()
     application["role"] = role
     application["counts"] = {}
@@ -248,7 +249,7 @@ def app(role: str, holdings: Holdings | None = None) -> web.Application:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--role", type=Role, choices=ROLES, required=True)
     p.add_argument("--port", type=int, help="one worker on this port")
     p.add_argument("--ports", help="several workers in this process, one per port (comma-separated)")
     p.add_argument("--capacity", type=int, default=0,
@@ -267,7 +268,7 @@ def main() -> None:
                 print=None, access_log=None)
 
 
-async def serve(role: str, ports: list[int], capacity: int, secret: bytes, publish: bool) -> web.Application:
+async def serve(role: Role, ports: list[int], capacity: int, secret: bytes, publish: bool) -> web.Application:
     """Every port's app on one loop (web.run_app runs the first; the others are started here)."""
     apps = [app(role, Holdings(secret, capacity, publish) if capacity else None) for _ in ports]
     for application, port in zip(apps[1:], ports[1:]):

@@ -41,6 +41,7 @@ from kvhandoff.bench.meta import log
 from kvhandoff.launch.lifeline import child_env
 from kvhandoff.launch.supervisor import free_port
 from kvhandoff.wire.auth import control_headers
+from kvhandoff.wire.modes import ROLES
 
 SECRET = "router-bench-secret"
 IDLE_S = 3.0                # the router's idle CPU (polls, heartbeats) is read over this long before the load
@@ -215,12 +216,12 @@ async def bench_mode(mode: str, args, out: Path) -> Result:
     if rest:
         os.sched_setaffinity(0, rest)           # this client beside the instant workers, off the router's core
     per_role = max(1, args.workers // 2)
-    ports = {role: [free_port() for _ in range(per_role)] for role in ("prefill", "decode")}
+    ports = {role: [free_port() for _ in range(per_role)] for role in ROLES}
     router_port = free_port()
     own_ports = [free_port() for _ in range(args.routers)] if args.routers > 1 else [router_port]
     events = (["--capacity", str(args.capacity)] + (["--no-events"] if args.no_events else [])) if args.workers else []
     procs = [spawn(["kvhandoff.bench.instant", "--role", role, "--ports", ",".join(map(str, ports[role])), *events],
-                   rest, out / f"instant-{role}-{mode}-{args.workers}.log") for role in ("prefill", "decode")]
+                   rest, out / f"instant-{role}-{mode}-{args.workers}.log") for role in ROLES]
     fleet = {role: [f"http://127.0.0.1:{p}" for p in ports[role]] for role in ports}
     front = f"http://127.0.0.1:{router_port}"
     fleet_flags = ["--prefill-policy", args.policy, "--bidirectional", "--shared-sessions"] if args.workers else []

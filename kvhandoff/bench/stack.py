@@ -21,6 +21,7 @@ from kvhandoff.bench.meta import log
 from kvhandoff.launch.lifeline import child_env
 from kvhandoff.launch.procs import cpu_ticks, process_tree
 from kvhandoff.launch.supervisor import free_port
+from kvhandoff.wire.modes import Role
 
 
 @dataclass
@@ -104,8 +105,8 @@ def cpu_seconds(pids: list[int]) -> dict[str, float]:
             continue
         role = next((word for word in argv if word in ("router", "serve", "up")), "other")   # the subcommand
         if role == "serve":
-            role = argv[argv.index("--role") + 1] if "--role" in argv[:-1] else "both"
-            role = "worker" if role == "both" else role
+            role = Role(argv[argv.index("--role") + 1]) if "--role" in argv[:-1] else Role.BOTH
+            role = "worker" if role == Role.BOTH else role
         out[role] = out.get(role, 0.0) + cpu_ticks(f"/proc/{pid}") / ticks
     return out
 

@@ -363,14 +363,14 @@ class LLMEngine:
                 new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
         """End a request. A prefill-only one's blocks are held for the connector (Hold.PINNED,
         under its id) unless the connector declines them; a `retain` one's are retained."""
-        pin = reason is FinishReason.PREFILLED
+        pin = reason == FinishReason.PREFILLED
         retain = request.retain and reason in (FinishReason.STOP, FinishReason.LENGTH) and request.num_computed_tokens > 0
         blocks, num_cached = request.block_table, request.num_cached_tokens     # (freeing resets them)
         self.scheduler.finish(request, reason, keep_blocks=pin or retain)
         self.sampler.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         request.timings.finished = time.monotonic()
-        out = RequestOutput(request.request_id, new_token_ids or [], new_text, True, reason.value,
+        out = RequestOutput(request.request_id, new_token_ids or [], new_text, True, reason,
                             request.num_prompt_tokens, len(request.output_token_ids),
                             num_cached, request.timings.as_ms(), error)
         if pin:
@@ -395,7 +395,7 @@ class LLMEngine:
             for out in self.step():
                 outputs[out.request_id] += out.new_token_ids
                 if out.finished:
-                    if out.finish_reason == FinishReason.ERROR.value:
+                    if out.finish_reason == FinishReason.ERROR:
                         raise RuntimeError(out.error)
                     pending.discard(out.request_id)
         return [outputs[i] for i in ids]

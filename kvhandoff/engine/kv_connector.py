@@ -16,7 +16,7 @@ Per step, in order (LLMEngine.step):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from kvhandoff.engine.request import Request, RequestOutput
@@ -67,8 +67,9 @@ class KVConnector:
     def start_loads(self) -> None:
         """Post the transfers the reservations of this step need."""
 
-    def on_layer(self, layer: int, chunks: list["ScheduledChunk"]) -> None:
-        """Layer `layer` of this step's chunks has been computed."""
+    # on_layer(layer, chunks): layer `layer` of this step's chunks has been computed (None: no
+    # per-layer hook, and the forward pass makes no call per layer).
+    on_layer: Callable[[int, list["ScheduledChunk"]], None] | None = None
 
     def poll(self) -> KVEvents:
         return KVEvents()

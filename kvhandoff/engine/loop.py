@@ -18,7 +18,7 @@ import torch
 
 from kvhandoff.engine.engine import LLMEngine
 from kvhandoff.engine.holds import Hold
-from kvhandoff.engine.request import RequestOutput, Resume, SamplingParams
+from kvhandoff.engine.request import FinishReason, RequestOutput, Resume, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class EngineLoop:
                                                        if isinstance(i, _Submit)]
             self._callbacks.clear()
             for request_id, callback in pending:
-                callback(RequestOutput(request_id, [], "", True, "error", 0, 0, error=self.fatal_error))
+                callback(RequestOutput(request_id, [], "", True, FinishReason.ERROR, 0, 0, error=self.fatal_error))
             if self.on_fatal is not None:
                 self.on_fatal(self.fatal_error)
 
@@ -211,7 +211,7 @@ class EngineLoop:
                                     prefill_only=item.prefill_only, retain=item.retain,
                                     remote_tokens=item.remote_tokens, resume=item.resume)
         except ValueError as exc:
-            return _ended(item, "error", str(exc))
+            return _ended(item, FinishReason.ERROR, str(exc))
         return None
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -225,6 +225,6 @@ class EngineLoop:
                 log.exception("output callback for %s failed", out.request_id)
 
 
-def _ended(item: _Submit, finish_reason: str, error: str | None = None) -> RequestOutput:
+def _ended(item: _Submit, finish_reason: FinishReason, error: str | None = None) -> RequestOutput:
     """The final output of a submission that ended before the engine computed anything for it."""
     return RequestOutput(item.request_id, [], "", True, finish_reason, len(item.prompt_token_ids), 0, error=error)

@@ -5,6 +5,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+from kvhandoff.wire.modes import FinishReason  # (the vocabulary leaf: see its docstring)
+
 
 class RequestState(Enum):
     WAITING = auto()            # queued for prefill here
@@ -12,14 +14,6 @@ class RequestState(Enum):
     WAITING_FOR_KV = auto()     # blocks reserved, the K/V on its way; not schedulable until it lands
     RUNNING = auto()            # holds blocks; prefilling (chunk by chunk) or decoding
     FINISHED = auto()
-
-
-class FinishReason(str, Enum):
-    STOP = "stop"               # eos, stop token or stop string
-    PREFILLED = "prefilled"     # prefill-only request: its KV is computed and pinned for a handoff
-    LENGTH = "length"           # max_tokens or the context limit
-    ABORT = "abort"             # cancelled (client gone, shutdown)
-    ERROR = "error"             # the engine could not complete it
 
 
 @dataclass
@@ -140,7 +134,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0

@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvhandoff.launch.lifeline import child_env
-from kvhandoff.launch.supervisor import (COLOCATED, ChildDied, LaunchConfig, StackDown, free_port, front_url,
+from kvhandoff.launch.supervisor import (COLOCATED, ChildDied, child_role, LaunchConfig, StackDown, free_port, front_url,
                                          kvhandoff_cmd, router_children, router_sees_ready, served_name, spawn, stop,
                                          tend, worker_names)
 from kvhandoff.wire.auth import SECRET_ENV, control_headers
+from kvhandoff.wire.modes import ROLES, Role
 
 INSTALL_HINT = "pip install 'kvhandoff[ray]' (or: pip install ray)"
 FOLLOW_INTERVAL_S = 0.5
@@ -80,7 +81,7 @@ class WorkerHost:
     """One kvhandoff worker: its `serve` process on this node, watched. Methods run while __init__'s
     process lives; when the worker exits, this actor exits with it, and Ray restarts the actor."""
 
-    def __init__(self, name: str, role: str, argv: list[str], secret: str, threads: int, loopback: bool = False):
+    def __init__(self, name: str, role: Role, argv: list[str], secret: str, threads: int, loopback: bool = False):
         import ray
         self.name, self.role = name, role
         # The node's own address, which the other nodes reach; loopback on a one-node cluster the driver
@@ -209,7 +210,7 @@ def answers(address: str) -> str | None:
 class Placed:
     """One worker as the driver knows it: its actor, and the run of it the routers serve."""
     name: str
-    role: str
+    role: Role
     actor: object
     info: dict | None = None
     lost_since: float | None = None       # its actor stopped answering (dead, restarting, its node gone)
@@ -219,8 +220,7 @@ class Placed:
 
 
 def worker_argv(cfg: LaunchConfig, name: str) -> list[str]:
-    role = name.split("-")[0]
-    own = cfg.prefill_args if role == "prefill" else cfg.decode_args
+    own = cfg.prefill_args if child_role(name) == Role.PREFILL else cfg.decode_args
     return ["--log-level", cfg.log_level, *cfg.worker_args, *own, *cfg.child_args.get(name, [])]
 
 
@@ -246,8 +246,8 @@ def place(ray, cfg: LaunchConfig, rcfg: RayConfig, secret: str, loopback: bool) 
     host = ray.remote(WorkerHost)
     placed = []
     for name in worker_names(cfg):
-        role = name.split("-")[0]
-        resources = rcfg.prefill_resources if role == "prefill" else rcfg.decode_resources
+        role = child_role(name)
+        resources = rcfg.prefill_resources if role == Role.PREFILL else rcfg.decode_resources
         actor = host.options(num_cpus=threads, resources=resources or None, max_restarts=cfg.max_restarts,
                              max_concurrency=4).remote(name, role, worker_argv(cfg, name), secret, threads, loopback)
         placed.append(Placed(name, role, actor))
@@ -370,7 +370,7 @@ def run(cfg: LaunchConfig, rcfg: RayConfig) -> int:
         placed = place(ray, cfg, rcfg, secret, loopback=started_here)
         wait_serving(ray, placed, cfg.startup_timeout)
         urls = lambda role: [p.info["url"] for p in placed if p.role == role]
-        routers = router_children(cfg, urls("prefill"), urls("decode"), cfg.port or free_port(cfg.host))
+        routers = router_children(cfg, urls(Role.PREFILL), urls(Role.DECODE), cfg.port or free_port(cfg.host))
         for router in routers:
             spawn(router, env)
             print(f"kvhandoff up: started {router.describe()}", flush=True)
@@ -426,7 +426,7 @@ def serve(cfg: LaunchConfig, placed: list[Placed], routers, follower: Follower, 
                     raise TimeoutError(f"the routers did not see every worker within {cfg.startup_timeout:.0f} s")
             interval = FOLLOW_INTERVAL_S if serving else 0.1
             follower.step(now, interval)
-            for role in ("prefill", "decode"):
+            for role in ROLES:
                 if all(p.given_up for p in placed if p.role == role):
                     raise StackDown(f"no {role} worker is left on the cluster; nothing can be served")
             time.sleep(max(0.0, interval - (time.monotonic() - now)))

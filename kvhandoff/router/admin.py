@@ -22,9 +22,9 @@ from kvhandoff.router.pool import Worker, parse_urls
 from kvhandoff.wire import api as P
 from kvhandoff.wire.auth import check_control
 from kvhandoff.wire.http import read_json_object
+from kvhandoff.wire.modes import ROLES, Role
 
 log = logging.getLogger("kvhandoff.router")
-ROLES = ("prefill", "decode")
 
 
 def listing(worker: Worker) -> dict:
@@ -64,7 +64,7 @@ async def add_worker(router, request: Request) -> JSONResponse:
         raise P.APIError(400, "instance must be a string of 1-64 characters naming this run of a worker that "
                          "joins by itself", param="instance")
     try:
-        worker = router.pool.add(role, url, instance=instance)
+        worker = router.pool.add(Role(role), url, instance=instance)
     except ValueError as e:
         raise P.APIError(409, str(e), param="url") from None
     report = await router.pool.check(router.upstream, worker)

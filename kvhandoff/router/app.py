@@ -42,7 +42,7 @@ from kvhandoff.wire import messages as M
 from kvhandoff.wire.auth import control_headers
 from kvhandoff.wire.http import (CHAT, COMPLETIONS, CONTENT_TYPE, LATENCY_BUCKETS, SSEResponse, read_json_object,
                                   wait_disconnect)
-from kvhandoff.wire.modes import Engine, Mode
+from kvhandoff.wire.modes import Engine, Mode, Role
 from kvhandoff.wire.vllm import refusal
 
 log = logging.getLogger("kvhandoff.router")
@@ -235,7 +235,7 @@ class Router:
             return
         self.feeds.update(worker.url, worker.last_health)
         about = worker.last_health.get("kv_events")
-        if isinstance(about, dict) and worker.role == "prefill":
+        if isinstance(about, dict) and worker.role == Role.PREFILL:
             fetch = self.prompts.want(self.upstream, worker.url, str(about.get("tokenizer") or ""))
             if fetch is not None:
                 self.background.add(fetch)
@@ -244,7 +244,7 @@ class Router:
     def local_facts(self, attempt: Attempt) -> PromptFacts | None:
         """The prompt's facts made here (prompts.py), as the prefill workers whose events are fresh see it."""
         fresh = self.feeds.fresh_urls()
-        for worker in self.pool.serving("prefill"):
+        for worker in self.pool.serving(Role.PREFILL):
             feed = self.feeds.feeds.get(worker.url) if worker.url in fresh else None
             if feed is not None:
                 return self.prompts.facts(feed.info.tokenizer, feed.info.block_size, attempt.endpoint, attempt.body)
@@ -255,14 +255,14 @@ class Router:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    def tell(self, worker: Worker, path: str, body: dict) -> None:
+    def tell(self, worker: Worker, path: str, body: M.Message) -> None:
         """Fire-and-forget control message (/kv/cancel, /kv/release, /kv/failed, /kv/retained/release)."""
         async def send():
             try:
                 await self.upstream.call("POST", worker.url + path, body, timeout=5.0)
             except UpstreamError as e:      # a worker known to be down: expected, not worth a warning each
                 log.log(logging.WARNING if worker.healthy else logging.INFO, "handoff %s: %s on %s failed: %s",
-                        body.get("handoff_id") or body.get("retention_id"), path, worker.url, describe(e))
+                        getattr(body, "handoff_id", None) or getattr(body, "retention_id", None), path, worker.url, describe(e))
         self.spawn(send())
 
     def count_in_flight(self, worker: Worker) -> None:
@@ -324,7 +324,7 @@ class Router:
                 if not await retry_elsewhere(attempt, failure):
                     raise failure
         attempt.phase = Phase.DRAINED
-        attempt.open_legs.discard("decode")
+        attempt.open_legs.discard(Role.DECODE)
         if attempt.retried:
             rewrite_final(attempt, data, attempt.retried_handoff())
         elif isinstance(data.get("handoff"), dict):
@@ -345,7 +345,7 @@ class Router:
         facts, threshold = attempt.facts, self.config.disagg_min_tokens
         if not threshold or facts is None or attempt.candidate is not None:
             return False
-        uncached = min(uncached_tokens(w, facts, self.pool.prefix) for w in self.pool.serving("prefill"))
+        uncached = min(uncached_tokens(w, facts, self.pool.prefix) for w in self.pool.serving(Role.PREFILL))
         return uncached < threshold
 
     async def colocated_leg(self, attempt: Attempt) -> None:

@@ -33,6 +33,7 @@ from kvhandoff.router.sessions import SessionEntry
 from kvhandoff.router.upstream import Answer, Unreachable, UpstreamError, sse_events
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
+from kvhandoff.wire.modes import Role
 
 log = logging.getLogger("kvhandoff.router")
 
@@ -76,7 +77,7 @@ class Attempt:
     prefill_task: asyncio.Task | None = None      # push: resolves to the prefill's answer (PushPrefillAnswer)
     remote: M.PullHandoff | None = None           # pull: the prefill's answer (blocks pinned)
     upstream: list[Answer] = field(default_factory=list)
-    open_legs: set[str] = field(default_factory=set)      # roles sent a request whose answer we lack
+    open_legs: set[Role] = field(default_factory=set)      # roles sent a request whose answer we lack
     holding: list[Worker] = field(default_factory=list)   # in_flight counted on these
     retried: str | None = None                    # why the request was computed colocated on the decode worker
     kv_source: str = "retried_colocated"          # ... after a failed prefill, or "colocated" (selective)
@@ -156,11 +157,11 @@ class Attempt:
                 return
         await self.decode_task
 
-    # -- what the protocols' router legs call (handoff/pull.py, push.py) -----------------------------
-    def pick(self, role: str, prefer: str | None = None) -> Worker:
+    # -- what the protocols' router legs call (router/legs.py) -------------------------------------
+    def pick(self, role: Role, prefer: str | None = None) -> Worker:
         pool = self.router.pool
-        among = pool.candidates(role, self.facts if role == "prefill" else None, prefer)
-        estimates = self.reuse_estimates(among) if role == "prefill" else None
+        among = pool.candidates(role, self.facts if role == Role.PREFILL else None, prefer)
+        estimates = self.reuse_estimates(among) if role == Role.PREFILL else None
         cost = (lambda w: estimates[w.url]["est_ms"] if w.url in estimates else math.inf) if estimates else None
         worker = pool.pick(role, self.excluded, prefer, self.facts, cost, among)
         if estimates:
@@ -177,7 +178,7 @@ class Attempt:
     async def open_decode(self, **extra) -> Answer:
         """Send the decode leg; returns its open answer (status line read)."""
         self.decode_sent_ms = self.ms()
-        resp = await self.post(self.decode, self.worker_body("decode", **extra))
+        resp = await self.post(self.decode, self.worker_body(Role.DECODE, **extra))
         self.phase = Phase.ANSWERING
         return resp
 
@@ -195,24 +196,24 @@ class Attempt:
     async def run_colocated(self, why: str, kv_source: str) -> Answer:
         """The client's request, as it came, to a decode worker, which computes it itself."""
         if self.decode is None:
-            self.decode = self.pick("decode")
+            self.decode = self.pick(Role.DECODE)
         self.retried, self.kv_source = f"{why}; computed colocated on {self.decode.url}", kv_source
         self.remote = None                  # nothing pinned to release
         self.decode_sent_ms = self.ms()
-        resp = await self.post(self.decode, self.worker_body("decode", colocated=True))
+        resp = await self.post(self.decode, self.worker_body(Role.DECODE, colocated=True))
         self.phase = Phase.ANSWERING
         return resp
 
     def refused(self, failure: BaseException | None) -> bool:
         return refused(failure)
 
-    def abandon(self, role: str) -> None:
+    def abandon(self, role: Role) -> None:
         """This leg's answer was closed unread: the worker frees what it holds for it."""
         self.open_legs.discard(role)
-        self.tell(self.decode if role == "decode" else self.prefill, "/kv/cancel")
+        self.tell(self.decode if role == Role.DECODE else self.prefill, "/kv/cancel")
 
     # -- what an engine's attempt says to its workers (native.py: ours; vllm.py: vLLM's) --------------
-    def worker_body(self, role: str, **extra) -> dict:
+    def worker_body(self, role: Role, **extra) -> dict:
         """A leg's request body: the client's, with what this engine's workers need to hand off."""
         raise NotImplementedError
 
@@ -291,10 +292,10 @@ class Attempt:
                                 "bad_worker_answer")
         return data
 
-    def tell(self, worker: Worker, path: str, **fields) -> None:
-        """Fire-and-forget control message about this handoff (/kv/cancel, /kv/release, /kv/failed).
-        All are idempotent on the worker, so telling a worker that already knows costs nothing."""
-        self.router.tell(worker, path, {"handoff_id": self.handoff_id, **fields})
+    def tell(self, worker: Worker, path: str) -> None:
+        """Fire-and-forget /kv/cancel or /kv/release about this handoff. Both are idempotent on the
+        worker, so telling a worker that already knows costs nothing."""
+        self.router.tell(worker, path, M.HandoffRef(handoff_id=self.handoff_id))
 
     def unhold(self, worker: Worker) -> None:
         if worker in self.holding:
@@ -318,11 +319,11 @@ class Attempt:
             self.unhold(worker)
         # A worker handling a request does not notice that the router hung up until it next writes to
         # us (a prefill waiting for its engine, a decode waiting for KV): tell it, so it frees blocks now.
-        if "prefill" in self.open_legs:
+        if Role.PREFILL in self.open_legs:
             self.tell(self.prefill, "/kv/cancel")
         elif self.remote is not None and not drained:
             self.tell(self.prefill, "/kv/release")    # pull: nobody will read the pinned blocks
-        if "decode" in self.open_legs:
+        if Role.DECODE in self.open_legs:
             self.tell(self.decode, "/kv/cancel")
 
     # -- what the client gets -------------------------------------------------------------------------

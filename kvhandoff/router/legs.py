@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 from kvhandoff.router.attempt import Attempt
+from kvhandoff.wire.modes import Role
 
 log = logging.getLogger("kvhandoff.router")
 
@@ -20,7 +21,7 @@ async def pull(attempt: Attempt) -> None:
     """Prefill first; the decode worker is picked with the load as it is once the prefill answered
     (late binding) and sent its handoff object. A prefill worker failure (5xx, unreachable, died)
     before the first token may be retried colocated on a decode worker (--retry-colocated)."""
-    attempt.prefill = attempt.pick("prefill")
+    attempt.prefill = attempt.pick(Role.PREFILL)
     prefill = asyncio.ensure_future(attempt.run_prefill())
     attempt.decode_task = asyncio.ensure_future(_pull_decode(attempt, prefill))
     await attempt.answerable()
@@ -37,7 +38,7 @@ async def _pull_decode(attempt: Attempt, prefill: asyncio.Task):
         # The client's first token goes out before anything that can wait for it: building and sending
         # the decode leg took the event loop ~0.5 ms between the prefill's answer and the client.
         await attempt.first_relayed.wait()
-    attempt.decode = attempt.pick("decode", prefer=attempt.history_worker)
+    attempt.decode = attempt.pick(Role.DECODE, prefer=attempt.history_worker)
     return await attempt.open_decode(remote=attempt.remote)
 
 
@@ -46,8 +47,8 @@ async def push(attempt: Attempt) -> None:
     answer starts, a prefill that refused the request (4xx, unreachable) ends it; one that failed
     (5xx) may be retried colocated (--retry-colocated). A prefill that fails later is reported to
     the decode worker (/kv/failed), which recomputes or fails by its policy."""
-    attempt.decode = attempt.pick("decode", prefer=attempt.history_worker)
-    attempt.prefill = attempt.pick("prefill")
+    attempt.decode = attempt.pick(Role.DECODE, prefer=attempt.history_worker)
+    attempt.prefill = attempt.pick(Role.PREFILL)
     attempt.prefill_task = asyncio.ensure_future(attempt.run_prefill(decode_url=attempt.decode.url))
     attempt.prefill_task.add_done_callback(lambda task: _prefill_ended(attempt, task))
     decode = asyncio.ensure_future(attempt.open_decode(prefill_url=attempt.prefill.url))
@@ -59,7 +60,7 @@ async def push(attempt: Attempt) -> None:
         if failure is not None and attempt.may_retry_colocated(failure):
             decode.cancel()                 # closes the leg: the decode worker drops its reservation
             await asyncio.wait({decode})
-            attempt.abandon("decode")
+            attempt.abandon(Role.DECODE)
             attempt.decode_task = asyncio.ensure_future(attempt.retry_colocated(failure))
             await attempt.answerable()
             return

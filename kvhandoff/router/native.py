@@ -17,6 +17,7 @@ from kvhandoff.router.pool import Worker
 from kvhandoff.router.upstream import Answer, UpstreamError
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.cost import REUSE_FLOOR_TOKENS, common_prefix_blocks
+from kvhandoff.wire.modes import Role
 
 log = logging.getLogger("kvhandoff.router")
 
@@ -49,7 +50,7 @@ class NativeAttempt(Attempt):
         first_token = self.first_token
         try:
             self.prefill_sent_ms = self.ms()
-            resp = await self.post(worker, self.worker_body("prefill", **extra))
+            resp = await self.post(worker, self.worker_body(Role.PREFILL, **extra))
             if resp.content_type.startswith("application/x-ndjson"):
                 handoff = await self.read_prefill_lines(worker, resp)
             else:       # one JSON answer: a worker that sends no first token (the relay waits for decode's)
@@ -72,7 +73,7 @@ class NativeAttempt(Attempt):
         # that awaited this answer), told nobody, and the prefill held 64 blocks until the lease ended.
         if self.mode.is_pull:
             self.remote = answer
-        self.open_legs.discard("prefill")
+        self.open_legs.discard(Role.PREFILL)
         self.score_index(worker, answer.prefill_cached_tokens)
         return answer
 
@@ -115,16 +116,16 @@ class NativeAttempt(Attempt):
         was sent (computed from the prompt if none)."""
         self.decode = worker
         resume = {"resume_token_ids": token_ids, "emitted_chars": emitted_chars} if token_ids else {}
-        return await self.post(worker, self.worker_body("decode", colocated=True, **resume))
+        return await self.post(worker, self.worker_body(Role.DECODE, colocated=True, **resume))
 
     def fallen_behind(self) -> tuple[Worker, float, float] | None:
         """Late binding: (where to move the decode leg, the wait expected here, there), or None."""
-        return late_binding_target(self.decode, self.router.pool.serving("decode"), self.excluded)
+        return late_binding_target(self.decode, self.router.pool.serving(Role.DECODE), self.excluded)
 
     async def rebind(self) -> str | None:
         """Late binding: ask the prefill worker to withdraw the decode worker's registration and take
         the next binding's instead. None if it did; else why not (its WRITE has started, ...)."""
-        body = {"handoff_id": self.handoff_id, "binding": self.binding + 1}
+        body = M.Rebind(handoff_id=self.handoff_id, binding=self.binding + 1)
         try:
             status, answer = await self.router.upstream.call("POST", self.prefill.url + "/kv/rebind", body, timeout=5.0)
         except UpstreamError as e:
@@ -144,7 +145,7 @@ class NativeAttempt(Attempt):
             resp = leg.result()
             self.upstream.remove(resp)
             resp.close()
-        self.abandon("decode")
+        self.abandon(Role.DECODE)
         self.unhold(self.decode)
         self.router.pool.hold(target, self.facts)
         self.holding.append(target)
@@ -154,23 +155,23 @@ class NativeAttempt(Attempt):
     def report_prefill_failure(self, failure: BaseException) -> None:
         """Push: the prefill leg failed with both legs out: the decode worker hears it now (/kv/failed)."""
         _, reason = task_outcome(self.prefill_task)
-        fields = {"recompute": True} if self.config.retry_colocated else {}
-        self.tell(self.decode, "/kv/failed", reason=f"prefill worker {self.prefill.url}: {reason}",
-                  prefill_answered=isinstance(failure, Relay), **fields)
+        self.router.tell(self.decode, "/kv/failed", M.KVFailed(
+            handoff_id=self.handoff_id, reason=f"prefill worker {self.prefill.url}: {reason}",
+            prefill_answered=isinstance(failure, Relay), recompute=True if self.config.retry_colocated else None))
 
-    def worker_body(self, role: str, **extra) -> dict:
+    def worker_body(self, role: Role, **extra) -> dict:
         bidirectional = self.config.bidirectional
         extra["created"] = self.created
-        if bidirectional and role == "prefill" and self.candidate is not None:
+        if bidirectional and role == Role.PREFILL and self.candidate is not None:
             extra["reuse"] = self.candidate.candidate()
-        if bidirectional and role == "decode" and not extra.get("colocated"):
+        if bidirectional and role == Role.DECODE and not extra.get("colocated"):
             extra["retain"] = True
             if self.session_id is not None:
                 extra["session"] = self.session_id      # kept with the turn: any router finds it by it
             if self.candidate is not None and self.candidate.decode_url == self.decode.url:
                 extra["supersedes"] = self.candidate.retention_id
         body = self.body
-        if role == "prefill":   # prefill answers one JSON object, whatever the client asked for
+        if role == Role.PREFILL:   # prefill answers one JSON object, whatever the client asked for
             body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
         return {**body, "kv_transfer_params": M.params(self.handoff_id, self.mode, role, **extra)}
 
@@ -201,7 +202,7 @@ class NativeAttempt(Attempt):
         if self.migrations:
             merged.migrated = self.migrations
         if self.first_token_ms is not None:         # (a stream: which answer its first token came from)
-            merged.first_token_source = "prefill" if self.first_from_prefill else "decode"
+            merged.first_token_source = Role.PREFILL if self.first_from_prefill else Role.DECODE
         merged.prefill_error, merged.rebound_from = prefill_error, self.rebound_from
         if self.route_decision:       # beside its estimate, what the chosen worker took (queue + prompt)
             spent = [phases.get(p) for p in ("prefill_queue", "prefill_compute")]

@@ -37,7 +37,7 @@ Late binding (`--late-binding`, push modes, any decode policy): the decode worke
 is checked again at every poll while the prompt is still being computed; it has fallen behind when
 the wait expected there (as `load` reckons it, this request among its sequences) is over
 LATE_BINDING_MARGIN times (and more than one typical step above) the wait on the best other
-healthy worker, and the request then moves there, once (push.py's router leg). Costs nothing per
+healthy worker, and the request then moves there, once (native.py's rebind). Costs nothing per
 poll but this arithmetic; a move costs one /kv/rebind round trip to the prefill worker and a second
 decode leg.
 Selective disaggregation (`--disagg-min-tokens N`, any policy): a prompt of which fewer than N

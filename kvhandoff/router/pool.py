@@ -15,6 +15,7 @@ from kvhandoff.router.errors import describe
 from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, ranking
 from kvhandoff.router.prefix import PrefixIndex, PromptFacts
 from kvhandoff.router.upstream import Upstream, UpstreamError
+from kvhandoff.wire.modes import ROLES, Role
 
 log = logging.getLogger("kvhandoff.router")
 # A pick weighs every worker of a pool up to PICK_ALL workers; of a larger one a random PICK_SAMPLE,
@@ -39,7 +40,7 @@ def parse_urls(spec: str) -> list[str]:
 @dataclass
 class Worker:
     url: str
-    role: str                    # "prefill" or "decode"
+    role: Role
     in_flight: int = 0           # requests this router has routed to it and not yet finished
     load: int = 0                # num_running + num_waiting at its last /health
     healthy: bool = True         # until a poll says otherwise
@@ -69,30 +70,30 @@ class WorkerPool:
         self.forget_joined_after_s = forget_joined_after_s
         self.on_polled = on_polled                    # after each /health poll (reachable?), and on leaving (False)
         self.drained_instances: set[str] = set()      # joined workers drained by an admin: they stay out
-        self.prefills = [Worker(u, "prefill") for u in prefill_urls]
-        self.decodes = [Worker(u, "decode") for u in decode_urls]
+        self.prefills = [Worker(u, Role.PREFILL) for u in prefill_urls]
+        self.decodes = [Worker(u, Role.DECODE) for u in decode_urls]
         self.by_url: dict[str, Worker] = {w.url: w for w in self.prefills + self.decodes}
         self.on_change = on_change
-        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
         self.prefix = PrefixIndex()                   # what each prefill worker should have cached
-        self.cursor: dict[str, int] = {}              # per role: where the round-robin tie break resumes
+        self.cursor: dict[Role, int] = {}              # per role: where the round-robin tie break resumes
         self._polled = asyncio.Event()                # set (and replaced) after each poll of every worker
 
     @property
     def workers(self) -> list[Worker]:
         return self.prefills + self.decodes
 
-    def of(self, role: str) -> list[Worker]:
-        return self.prefills if role == "prefill" else self.decodes
+    def of(self, role: Role) -> list[Worker]:
+        return self.prefills if role == Role.PREFILL else self.decodes
 
-    def serving(self, role: str) -> list[Worker]:
+    def serving(self, role: Role) -> list[Worker]:
         """The role's workers that may get new requests (not draining)."""
         return [w for w in self.of(role) if not w.draining]
 
     def find(self, url: str) -> Worker | None:
         return self.by_url.get(url)
 
-    def candidates(self, role: str, facts: PromptFacts | None = None, prefer: str | None = None) -> list[Worker]:
+    def candidates(self, role: Role, facts: PromptFacts | None = None, prefer: str | None = None) -> list[Worker]:
         """The workers a pick weighs: all of the role's, up to PICK_ALL of them; in a larger pool a
         random PICK_SAMPLE ("power of d choices": nearly as balanced as weighing all, at a cost that
         does not grow with the pool) plus the PICK_SAMPLE that hold the longest part of the prompt
@@ -108,7 +109,7 @@ class WorkerPool:
                 chosen.setdefault(id(worker), worker)
         return list(chosen.values())
 
-    def pick(self, role: str, excluded: set[str] = frozenset(), prefer: str | None = None,
+    def pick(self, role: Role, excluded: set[str] = frozenset(), prefer: str | None = None,
              facts: PromptFacts | None = None, cost=None, among: list[Worker] | None = None) -> Worker:
         """Not excluded (it failed this request) first, healthy first, a healthy `prefer` (the
         decode worker holding the conversation's history) outright, then the role's policy
@@ -135,7 +136,7 @@ class WorkerPool:
         worker.routed_since_poll += 1
         if facts is not None:
             worker.tokens_in_flight += facts.num_tokens
-            if worker.role == "prefill":
+            if worker.role == Role.PREFILL:
                 if worker.url not in facts.indexed:         # (its events tell what it holds)
                     self.prefix.record(worker.url, facts.block_hashes, worker.last_health.get("num_blocks"))
         self.on_change(worker)
@@ -155,22 +156,22 @@ class WorkerPool:
     def has_alternative(self, worker: Worker) -> bool:
         return any(w.healthy and w is not worker for w in self.serving(worker.role))
 
-    def least_loaded(self, role: str) -> Worker:
+    def least_loaded(self, role: Role) -> Worker:
         """For a side call that holds nothing (a prefill worker to hash a prompt)."""
         return min(self.serving(role), key=lambda w: (not w.healthy, w.in_flight, w.load))
 
-    def missing_roles(self) -> list[str]:
-        return [role for role in ("prefill", "decode") if not any(w.healthy for w in self.serving(role))]
+    def missing_roles(self) -> list[Role]:
+        return [role for role in ROLES if not any(w.healthy for w in self.serving(role))]
 
     # -- the set of workers, changed at run time (the router's /admin/workers) -----------------------
-    def add(self, role: str, url: str, instance: str | None = None) -> Worker:
+    def add(self, role: Role, url: str, instance: str | None = None) -> Worker:
         """A new worker, in rotation at once (healthy until a poll says otherwise, as at start). Adding
         a worker that is draining takes it back; adding one that is there is a no-op. `instance`: the
         worker added itself (joined), as this run of it; it is forgotten once unreachable for
         forget_joined_after_s (a worker named by the operator stays, unhealthy, until a poll finds it
         back), and once drained (remove) that run of it is refused: its next "I am here" must not undo
         the drain."""
-        assert role in ("prefill", "decode"), role
+        assert role in ROLES, role
         if instance is not None and instance in self.drained_instances:
             raise ValueError(f"{url} was drained from the pool: this run of it does not join again (a restarted "
                              "worker does)")

@@ -23,6 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvhandoff.router.upstream import UpstreamError
+from kvhandoff.wire import messages as M
+from kvhandoff.wire.modes import Role
 
 log = logging.getLogger("kvhandoff.router")
 DEFAULT_CAPACITY = 4096            # blocks remembered per worker until its /health says how many it has
@@ -78,10 +80,10 @@ async def prompt_facts(router, attempt, every_worker: bool = False) -> PromptFac
     (`every_worker`). From the router's own tokenizer and index where it can; else from the least-loaded
     prefill worker (or every one whose events are not fresh). None if none can say: the request then
     goes by the other signals, and a bad request fails at the worker."""
-    serving = router.pool.serving("prefill")
+    serving = router.pool.serving(Role.PREFILL)
     facts = router.local_facts(attempt)
     if facts is None:
-        return await ask(router, attempt, serving if every_worker else [router.pool.least_loaded("prefill")])
+        return await ask(router, attempt, serving if every_worker else [router.pool.least_loaded(Role.PREFILL)])
     if every_worker:
         fresh = router.feeds.fresh_urls()
         started = time.perf_counter_ns()
@@ -98,7 +100,7 @@ async def prompt_facts(router, attempt, every_worker: bool = False) -> PromptFac
 
 async def ask(router, attempt, workers: list) -> PromptFacts | None:
     """Each of `workers` at once: the prompt's facts, and how many of its blocks each caches."""
-    query = {"endpoint": attempt.endpoint, "request": attempt.body}
+    query = M.PromptQuery(endpoint=attempt.endpoint, request=attempt.body)
     router.metrics.asked.labels("/kv/prompt").inc(len(workers))
 
     async def one(worker) -> PromptFacts | None:

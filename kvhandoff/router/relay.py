@@ -27,6 +27,7 @@ from kvhandoff.router.upstream import UpstreamError, data_json
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.http import sse_event
+from kvhandoff.wire.modes import Role
 
 log = logging.getLogger("kvhandoff.router")
 DONE = "data: [DONE]\n\n"
@@ -119,7 +120,7 @@ class Follow:
                     return
                 if kind == "end":
                     attempt.phase = Phase.DRAINED
-                    attempt.open_legs.discard("decode")
+                    attempt.open_legs.discard(Role.DECODE)
                     if self.held:
                         yield self.flush()
                     return
@@ -289,7 +290,7 @@ class Follow:
             await attempt.release_legs()
             attempt.upstream, attempt.open_legs = [], set()
             attempt.excluded.add(failed.url)
-            target = attempt.pick("decode")
+            target = attempt.pick(Role.DECODE)
             attempt.migrations.append({"from": failed.url, "to": target.url, "reason": reason,
                                        "tokens_sent": len(sent.token_ids)})
             attempt.router.metrics.migrations.labels(attempt.mode.value).inc()

@@ -23,10 +23,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvhandoff.router.upstream import UpstreamError
 from kvhandoff.wire import kv_events as E
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.cost import common_prefix_blocks
+from kvhandoff.wire.modes import Role
 
 
 log = logging.getLogger("kvhandoff.router")
@@ -41,13 +44,12 @@ class SessionEntry:
     block_hashes: list[str]
     expiry: float               # time.monotonic()
     nbytes: int = 0
-    last_used: float = field(default_factory=time.monotonic)
     kept_at: float = field(default_factory=time.time)       # when the worker kept it (wall clock: events' ts)
 
-    def candidate(self) -> dict:
+    def candidate(self) -> M.ReuseCandidate:
         """What the prefill worker is told (kv_transfer_params.reuse)."""
-        return {"decode_url": self.decode_url, "retention_id": self.retention_id, "num_tokens": self.num_tokens,
-                "block_hashes": self.block_hashes, "expires_in_s": round(self.expiry - time.monotonic(), 3)}
+        return M.ReuseCandidate(decode_url=self.decode_url, retention_id=self.retention_id, num_tokens=self.num_tokens,
+                                block_hashes=self.block_hashes, expires_in_s=round(self.expiry - time.monotonic(), 3))
 
 
 class SessionMap:
@@ -142,7 +144,7 @@ class Sessions:
         # and only the decode workers whose events are not fresh are asked (another router may have
         # left a newer turn there: the newer of the two wins).
         fresh = self.router.feeds.fresh_urls()
-        stale = [w for w in self.router.pool.serving("decode") if w.url not in fresh] \
+        stale = [w for w in self.router.pool.serving(Role.DECODE) if w.url not in fresh] \
             if self.router.config.shared_sessions else []
         if attempt.session_id is not None:
             known = self.map.get(attempt.session_id)
@@ -195,7 +197,7 @@ class Sessions:
         """These decode workers at once: the conversation's newest retained turn (by session id), else
         the one sharing the most leading blocks with the prompt (find() records it in the map if it is
         the newer, so that remember() frees it once the turn it serves is kept elsewhere)."""
-        query = M.RetainedQuery(session=session_id, block_hashes=hashes).to_dict()
+        query = M.RetainedQuery(session=session_id, block_hashes=hashes)
         self.router.metrics.asked.labels("/kv/retained/find").inc(len(workers))
 
         async def ask(worker) -> tuple[str, M.Retained, int] | None:
@@ -227,7 +229,7 @@ class Sessions:
         ttl = about.get("retention_ttl_s") if isinstance(about, dict) else None
         return float(ttl) if isinstance(ttl, (int, float)) else None
 
-    def remember(self, attempt, retained: M.Retained | None) -> dict | None:
+    def remember(self, attempt, retained: M.Retained | None) -> M.Retained | None:
         """Record where this turn's KV is kept now; forget (and free) the turn it replaces. Returns
         what the client's handoff object shows of it."""
         old = attempt.candidate
@@ -241,10 +243,10 @@ class Sessions:
             if old.decode_url != attempt.decode.url:     # superseded on another worker: it can free it now
                 holder = self.router.pool.find(old.decode_url)
                 if holder is not None:
-                    self.router.tell(holder, "/kv/retained/release", {"retention_id": old.retention_id})
+                    self.router.tell(holder, "/kv/retained/release", M.RetainedRef(retention_id=old.retention_id))
         if retained.retention_id not in self.gone:     # (its worker let it go already: its event came first)
             self.map.record(SessionEntry(key, attempt.decode.url, retained.retention_id, retained.num_tokens,
                                          list(retained.block_hashes), time.monotonic() + retained.expires_in_s,
                                          retained.bytes))
         # The client sees where its history is kept, not the hash chain (protocol payload).
-        return {k: v for k, v in retained.to_dict().items() if k != "block_hashes"} | {"session": key}
+        return msgspec.structs.replace(retained, block_hashes=[], session=key)

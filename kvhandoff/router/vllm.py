@@ -39,6 +39,7 @@ from kvhandoff.router.vllm_sessions import VllmSessionEntry
 from kvhandoff.wire import messages as M
 from kvhandoff.wire import vllm as V
 from kvhandoff.wire.http import CHAT, COMPLETIONS, sse_event
+from kvhandoff.wire.modes import FinishReason, Role
 
 log = logging.getLogger("kvhandoff.router")
 
@@ -105,10 +106,10 @@ class VllmAttempt(Attempt):
         super().next_attempt()
         self.remote_raw = self.prefill_kv = self.decode_first_ms = None
 
-    def worker_body(self, role: str, **extra) -> dict:
+    def worker_body(self, role: Role, **extra) -> dict:
         body = dict(self.body)
         body["return_token_ids"] = True         # notes for the relay; the prompt's ids for a migration
-        if role == "prefill":
+        if role == Role.PREFILL:
             for key in ("stream_options", "max_completion_tokens", "min_tokens"):
                 body.pop(key, None)
             body.update(stream=False, max_tokens=1)
@@ -141,7 +142,7 @@ class VllmAttempt(Attempt):
         try:
             while True:
                 self.prefill_sent_ms = self.ms()
-                resp = await self.post(worker, self.worker_body("prefill"))
+                resp = await self.post(worker, self.worker_body(Role.PREFILL))
                 data = await self.read_json(worker, resp)
                 self.first_received_ms = self.ms()
                 remote, params = self.prefill_answer(worker, data)
@@ -159,7 +160,7 @@ class VllmAttempt(Attempt):
         self.prefill_kv = remote
         if self.mode.is_pull:
             self.remote, self.remote_raw = remote, params
-        self.open_legs.discard("prefill")
+        self.open_legs.discard(Role.PREFILL)
         return remote
 
     def prefill_answer(self, worker: Worker, data: dict) -> tuple[V.RemoteKV, dict]:
@@ -188,7 +189,7 @@ class VllmAttempt(Attempt):
         if not self.stream or not self.early_first:
             return None
         choice = (data.get("choices") or [None])[0]
-        if not isinstance(choice, dict) or choice.get("finish_reason") != "length" or not choice.get("token_ids"):
+        if not isinstance(choice, dict) or choice.get("finish_reason") != FinishReason.LENGTH or not choice.get("token_ids"):
             return None
         token_id = choice["token_ids"][0]
         text = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")
@@ -238,7 +239,7 @@ class VllmAttempt(Attempt):
         from token ids; a chat stream's chunks are reshaped by VllmEvents)."""
         self.decode = worker
         if not token_ids:
-            return await self.post(worker, self.worker_body("decode", colocated=True))
+            return await self.post(worker, self.worker_body(Role.DECODE, colocated=True))
         if self.prompt_ids is None:
             raise WorkerFailure(worker, "cannot continue the stream: the prompt's token ids are unknown",
                                 "worker_failed")
@@ -261,7 +262,7 @@ class VllmAttempt(Attempt):
 
     async def read_json(self, worker: Worker, resp: Answer) -> dict:
         data = await super().read_json(worker, resp)
-        if worker.role == "decode":
+        if worker.role == Role.DECODE:
             self.decode_first_ms = self.decode_first_ms or self.ms()
             if self.config.bidirectional and not self.retried:
                 self.router.sessions.keep(self, data)
@@ -294,7 +295,7 @@ class VllmAttempt(Attempt):
         if self.migrations:
             merged.migrated = self.migrations
         if self.first_token_ms is not None:
-            merged.first_token_source = "prefill" if self.first_from_prefill else "decode"
+            merged.first_token_source = Role.PREFILL if self.first_from_prefill else Role.DECODE
         merged.prefill_error, merged.retried_elsewhere = prefill_error, self.retry_reason
         self.merged = merged
         self.router.merged(self, merged, None)

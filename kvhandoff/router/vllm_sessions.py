@@ -17,6 +17,7 @@ from kvhandoff.router.upstream import UpstreamError
 from kvhandoff.wire import vllm as V
 from kvhandoff.wire.cost import REUSE_FLOOR_TOKENS
 from kvhandoff.wire.http import CHAT, COMPLETIONS
+from kvhandoff.wire.modes import FinishReason, Role
 
 if TYPE_CHECKING:
     from kvhandoff.router.vllm import VllmAttempt
@@ -44,7 +45,7 @@ class VllmSessionEntry:
         (The router checked the prompt's tokens before; this is the check on what vLLM did.)"""
         choice = (answer.get("choices") or [{}])[0]
         prompt = answer.get("prompt_token_ids") or choice.get("prompt_token_ids")
-        if choice.get("finish_reason") not in ("length", "stop"):
+        if choice.get("finish_reason") not in (FinishReason.LENGTH, FinishReason.STOP):
             return False                # (kv_load_failure_policy fail: the read failed)
         return prompt is not None and prompt[:self.num_tokens] == self.token_ids
 
@@ -138,7 +139,7 @@ class VllmSessions:
                     query[key] = body[key]
         else:
             query["prompt"] = body.get("prompt")
-        worker = self.router.pool.least_loaded("prefill")
+        worker = self.router.pool.least_loaded(Role.PREFILL)
         try:
             status, data = await self.router.upstream.call("POST", worker.url + "/tokenize", query, timeout=5.0)
         except UpstreamError as e:

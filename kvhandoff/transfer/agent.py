@@ -265,13 +265,6 @@ class TransferAgent:
             raise
         return name
 
-    def remove_peer(self, name: str) -> None:
-        with self._lock:
-            peer = self._peers.pop(name, None)
-        if peer is None:
-            raise PeerError(f"unknown peer {name!r}")
-        self._close_peer(peer, "removed")
-
     @property
     def peers(self) -> list[str]:
         """The peers we have a live connection to."""

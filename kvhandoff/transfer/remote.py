@@ -101,7 +101,6 @@ class _Host:
     def __init__(self):
         self.agent = None
         self.arrays: dict[str, np.ndarray] = {}
-        self.pending: list = []
         self.running = True
 
     def create(self, name: str, secret: bytes, **kwargs) -> bytes:
@@ -112,10 +111,6 @@ class _Host:
     def allocate(self, region: str, nbytes: int) -> str | None:
         self.arrays[region] = self.agent._allocate(region, nbytes)
         return self.agent.regions[region].shm_segment
-
-    def register_private(self, region: str, nbytes: int) -> None:
-        self.arrays[region] = np.zeros(nbytes, np.uint8)
-        self.agent.register(region, self.arrays[region])
 
     def deregister(self, region: str) -> None:
         self.agent.deregister(region)
@@ -132,9 +127,6 @@ class _Host:
     def add_peer(self, metadata: bytes) -> str:
         return self.agent.add_peer(metadata)
 
-    def metadata(self) -> bytes:
-        return self.agent.metadata()
-
     def xfer(self, op: str, peer: str, local, remote, notify: bytes | None = None, timeout: float = 60.0) -> dict:
         handle = getattr(self.agent, op)(peer, local, remote, notify)
         try:
@@ -143,22 +135,6 @@ class _Host:
             return {"state": handle.state.value, "error": str(e), "wire_descs": handle.wire_descs}
         return {"state": handle.state.value, "error": None, "wire_descs": handle.wire_descs,
                 "backend": handle.backend, "seconds": handle.seconds}
-
-    def post(self, op: str, peer: str, local, remote, count: int = 1) -> None:
-        """Post `count` transfers without waiting (collect them with `collect`)."""
-        self.pending += [getattr(self.agent, op)(peer, local, remote) for _ in range(count)]
-
-    def collect(self, timeout: float = 60.0) -> list[dict]:
-        out = []
-        for handle in self.pending:
-            try:
-                handle.wait(timeout)
-            except Exception as e:
-                out.append({"state": handle.state.value, "error": str(e)})
-            else:
-                out.append({"state": handle.state.value, "error": None})
-        self.pending = []
-        return out
 
     def notifications(self, count: int = 1, timeout: float = 10.0) -> list[tuple[str, bytes]]:
         notes, deadline = [], time.monotonic() + timeout
@@ -175,9 +151,6 @@ class _Host:
     def stream_serve(self, total: int, block: int) -> int:
         from kvhandoff.transfer.bench import serve_stream
         return serve_stream(total, block)
-
-    def close_agent(self) -> None:
-        self.agent.close()
 
     def exit(self) -> None:
         if self.agent is not None:

@@ -11,11 +11,13 @@ the right Struct, and receivers dispatch on its type.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from typing import Literal, Union
 
 import msgspec
 
-from kvhandoff.wire.modes import Mode, Role
+from kvhandoff.wire.modes import ROLES, Mode, Role
 
 # 1: untyped dicts, before this module (no version field). 3: the KV block's inner layout became
 # [layers, K/V, kv_heads, block_size, head_dim] (issue 12): same bytes per block, other meaning, so
@@ -56,6 +58,16 @@ def parse(cls: type, data, what: str):
 
 def encode(message: msgspec.Struct) -> bytes:
     return msgspec.json.encode(message)
+
+
+def ms(seconds: float) -> float:
+    """A duration as the milliseconds of a `phases_ms` entry."""
+    return round(seconds * 1000, 3)
+
+
+def prompt_hash(prompt_token_ids: list[int]) -> str:
+    """What a push registration names its prompt by: the prefill checks it before the WRITE."""
+    return hashlib.blake2b(struct.pack(f"<{len(prompt_token_ids)}q", *prompt_token_ids), digest_size=16).hexdigest()
 
 
 def check_version(version: int, what: str) -> None:
@@ -134,14 +146,14 @@ class ColocatedParams(_Params):
     disaggregation, a failed prefill retried colocated), or continue one another decode worker
     began (request migration: `resume_token_ids` were sent to the client already, and
     `emitted_chars` of their text). The stream carries EventNotes like a handoff's."""
-    colocated: Literal[True] = True
+    colocated: Literal[True]            # (no default: omit_defaults would leave it out of the body)
     resume_token_ids: list[int] = []
     emitted_chars: int = 0
 
 
 KVParams = Union[PullPrefillParams, PushPrefillParams, PullDecodeParams, PushDecodeParams, ColocatedParams]
-_PARAMS = {(True, "prefill"): PullPrefillParams, (False, "prefill"): PushPrefillParams,
-           (True, "decode"): PullDecodeParams, (False, "decode"): PushDecodeParams}
+_PARAMS = {(True, Role.PREFILL): PullPrefillParams, (False, Role.PREFILL): PushPrefillParams,
+           (True, Role.DECODE): PullDecodeParams, (False, Role.DECODE): PushDecodeParams}
 
 
 def parse_params(data) -> KVParams:
@@ -150,8 +162,10 @@ def parse_params(data) -> KVParams:
         raise MessageError("kv_transfer_params must be an object")
     head = parse(_Head, data, "kv_transfer_params")
     check_version(head.protocol_version, "the router")
+    if head.role not in ROLES:
+        raise MessageError(f"kv_transfer_params.role: one of {', '.join(ROLES)}, not {head.role}")
     if data.get("colocated") is not None:
-        if head.role != "decode":
+        if head.role != Role.DECODE:
             raise MessageError("kv_transfer_params.colocated: only a decode worker computes requests colocated")
         return parse(ColocatedParams, data, "kv_transfer_params")
     return parse(_PARAMS[head.mode.is_pull, head.role], data, "kv_transfer_params")
@@ -164,12 +178,13 @@ class _Head(msgspec.Struct):
     protocol_version: int = 1           # a router from before versioning sends none
 
 
-def params(handoff_id: str, mode: Mode, role: str, **fields) -> dict:
-    """What the router puts into `kv_transfer_params`. (Not checked here: the router forwards what the
-    prefill answered as `remote` untouched, and the worker checks everything.)"""
-    assert (mode.is_pull, role) in _PARAMS and (role == "decode" or "colocated" not in fields)
-    return {"handoff_id": handoff_id, "mode": mode.value, "role": role, "protocol_version": PROTOCOL_VERSION,
-            **{k: v for k, v in fields.items() if v is not None}}
+def params(handoff_id: str, mode: Mode, role: Role, colocated: bool = False, **fields) -> KVParams:
+    """What the router puts into `kv_transfer_params`, as its Struct (msgspec encodes it in the body).
+    (Not checked here: the worker checks everything.)"""
+    assert role in ROLES and (role == Role.DECODE or not colocated)
+    cls, fields = (ColocatedParams, fields | {"colocated": True}) if colocated else (_PARAMS[mode.is_pull, role], fields)
+    return cls(handoff_id=handoff_id, mode=mode, role=role, protocol_version=PROTOCOL_VERSION,
+               **{k: v for k, v in fields.items() if v is not None})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -333,9 +348,9 @@ class Retained(Message):
     """A turn whose KV the decode worker keeps (bidirectional)."""
     retention_id: str
     num_tokens: int
-    block_hashes: list[str]
     expires_in_s: float
     bytes: int
+    block_hashes: list[str] = []        # (empty in the client's handoff object: protocol payload)
     session: str | None = None          # the client's session id it was kept under, if it named one
 
 
@@ -375,7 +390,7 @@ class ClientHandoff(Message):
     reverse_bytes: int | None = None
     reuse_decision: dict | None = None  # the prefill worker's (wire.cost.ReuseDecision)
     route_decision: dict | None = None  # the router's, with what the chosen worker measured
-    retained: dict | None = None        # where the conversation's KV is kept now (no hash chain)
+    retained: Retained | None = None    # where the conversation's KV is kept now (no hash chain)
     error: str | None = None            # the decode side's: why its KV was recomputed
     prefill_error: str | None = None    # push: why the prefill's answer is missing
     retried_colocated: str | None = None    # why the request was computed on the decode worker alone
@@ -438,7 +453,6 @@ class Unlease(_Note, tag="unlease"):
 
 
 Notification = Union[Done, Failed, Release, Renew, Progress, Cancel, Withdrawn, Unlease]
-NOTIFICATION_KINDS = tuple(cls.__struct_config__.tag for cls in Notification.__args__)
 
 
 def decode_notification(raw: bytes) -> Notification:

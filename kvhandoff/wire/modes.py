@@ -3,7 +3,9 @@ the benchmarks compare and the workers implement (docs/HANDOFF.md, one section e
 other choices every process names the same way: a worker's role, its failure policy, the router's
 policies.
 
-Kept free of heavy imports: the CLI and the benchmarks import it without loading torch.
+It imports nothing of ours and nothing heavy: the CLI and the benchmarks import it without loading
+torch, and it is the one module of wire/ that the layers below may name too (the engine's requests end
+with a FinishReason, which the worker answers and the router reads).
 """
 from __future__ import annotations
 
@@ -51,13 +53,24 @@ COLOCATED = "colocated"                 # no handoff: one worker serves the requ
 STACK_MODES = (COLOCATED, *NAMES)       # what `kvhandoff up` and the benchmarks can start
 
 
+class FinishReason(StrEnum):
+    """Why a request ended: the engine sets it, the worker answers it as OpenAI's `finish_reason`, the
+    router reads it (also in a vLLM worker's answers, which use the same words)."""
+    STOP = "stop"               # eos, stop token or stop string
+    PREFILLED = "prefilled"     # prefill-only request: its KV is computed and pinned for a handoff
+    LENGTH = "length"           # max_tokens or the context limit
+    ABORT = "abort"             # cancelled (client gone, shutdown)
+    ERROR = "error"             # the engine could not complete it
+
+
 class Role(StrEnum):
-    """A disaggregated worker's side of the handoff (`kvhandoff serve --role`; `both`: colocated)."""
+    """A worker's side of the handoff (`kvhandoff serve --role`)."""
     PREFILL = "prefill"
     DECODE = "decode"
+    BOTH = "both"               # colocated: it serves requests whole and takes no handoff
 
 
-ROLES = tuple(r.value for r in Role)
+ROLES = (Role.PREFILL, Role.DECODE)     # the roles of a disaggregated fleet: a router's two pools
 
 
 class Engine(StrEnum):

@@ -2,16 +2,15 @@
 
 It authenticates `kv_transfer_params` and `/kv/*` with the control token, parses every body into its
 message (wire/messages.py: a malformed one is a 400 naming the field), hands each to the protocol
-side of its mode and role (connector.py), and turns a HandoffError into the HTTP error it
-names. It also gives the handoff its way to talk to other workers (HTTPControl) and its metrics.
+side of its mode among its role's sides (app.py's Handoff: only its role's are built), and turns a
+HandoffError into the HTTP error it names; the handoff's metrics.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -21,49 +20,17 @@ from kvhandoff.engine.block_pool import hash_chain
 from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
-from kvhandoff.wire.auth import check_control, control_headers
-from kvhandoff.wire.http import CHAT, StreamingAnswer, describe, read_json_object
-from kvhandoff.wire.modes import ROLES
-from kvhandoff.worker.connector import Connector
+from kvhandoff.wire.auth import check_control
+from kvhandoff.wire.http import CHAT, StreamingAnswer, read_json_object
+from kvhandoff.wire.modes import Role
+from kvhandoff.worker.errors import HandoffError
 from kvhandoff.worker.kv_events import Publisher
+from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.reuse import lease_retained
-from kvhandoff.worker.runtime import ControlClient, HandoffError
-from kvhandoff.worker.server import RequestStream, Server
+from kvhandoff.worker.server import EngineInfo, RequestStream, Server
 
-
-# What a request to another worker can raise when that worker dies under it. Besides httpx's own
-# errors, its transport leaks others: a socket that a SIGKILLed peer closed while httpcore was still
-# connecting gave an AttributeError from anyio ('NoneType' object has no attribute 'getpeername'),
-# which reached the client as a 500 (a CI run, a prefill worker killed mid-flood). A dead peer is a
-# connection failure, whatever the library calls it.
-TRANSPORT_FAILURES = (httpx.HTTPError, OSError, AttributeError, RuntimeError)
-
-
-class HTTPControl(ControlClient):
-    """The handoff's requests to other workers (/kv/info, /kv/register, /kv/retained/lease). Every
-    failure to get an answer is a ConnectionError naming the worker."""
-
-    def __init__(self, secret: bytes):
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0), headers=control_headers(secret))
-
-    async def get(self, url: str, path: str) -> dict:
-        try:
-            data = (await self.http.get(url + path)).raise_for_status().json()
-        except (*TRANSPORT_FAILURES, ValueError) as exc:
-            raise ConnectionError(f"worker {url} unreachable: {describe(exc)}") from None
-        if not isinstance(data, dict):
-            raise ConnectionError(f"worker {url} answered {path} with something that is not a JSON object")
-        return data
-
-    async def post(self, url: str, path: str, body: dict) -> tuple[int, object]:
-        try:
-            r = await self.http.post(url + path, json=body)
-        except TRANSPORT_FAILURES as exc:
-            raise ConnectionError(describe(exc)) from None
-        try:
-            return r.status_code, r.json()
-        except ValueError:
-            return r.status_code, r.text[:200]
+if TYPE_CHECKING:
+    from kvhandoff.worker.app import Handoff
 
 
 def api_error(exc: HandoffError | M.MessageError, param: str | None = None) -> P.APIError:
@@ -73,16 +40,12 @@ def api_error(exc: HandoffError | M.MessageError, param: str | None = None) -> P
 
 
 class WorkerHandoff:
-    def __init__(self, server: Server, connector: Connector, role: str, secret: bytes,
-                 publisher: Publisher | None = None):
-        assert role in ROLES
-        self.server, self.connector, self.role, self.secret = server, connector, role, secret
-        self.publisher = publisher
+    def __init__(self, handoff: Handoff, secret: bytes, metrics: Metrics, info: EngineInfo,
+                 publisher: Publisher | None):
+        self.handoff, self.role, self.secret, self.info, self.publisher = handoff, handoff.role, secret, info, publisher
         # Lookups routers made on a request's path (a router without this worker's events asks instead).
         self.asked = {"/kv/prompt": 0, "/kv/retained/find": 0}
-        self.rt = connector.rt
-        self.rt.control = HTTPControl(secret)
-        r = server.metrics.registry
+        r = metrics.registry
         self.handoff_seconds = Histogram("kvhandoff_handoff_seconds", "Handoff duration (this side)",
                                          ["role"], registry=r,
                                          buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
@@ -90,8 +53,8 @@ class WorkerHandoff:
                                        buckets=tuple(2 ** k for k in range(10, 34, 2)))
         self.events = Counter("kvhandoff_handoff_events", "Handoff failures, lease expiries, late notifications",
                               ["event"], registry=r)
-        self._seen = connector.counters
-        if connector.retention is not None:
+        self._seen = handoff.counters.snapshot()
+        if handoff.retention is not None:
             self.retained_sessions = Gauge("kvhandoff_retained_sessions", "Conversations whose KV is kept",
                                            registry=r)
             self.retained_bytes = Gauge("kvhandoff_retained_bytes", "Bytes of KV kept for later turns", registry=r)
@@ -100,7 +63,7 @@ class WorkerHandoff:
                                             "(asked for KV no longer held)", ["event"], registry=r)
             self.leased_bytes = Counter("kvhandoff_retention_leased_bytes", "Bytes of retained KV granted to "
                                         "reverse reads", registry=r)
-            self._seen_retention = dict(connector.retention.counters)
+            self._seen_retention = dict(handoff.retention.counters)
 
     # ---- request parsing ------------------------------------------------------------------------
     def parse(self, params: dict, request: Request) -> M.KVParams:
@@ -124,7 +87,7 @@ class WorkerHandoff:
         answer is over, however it ends."""
         aio = asyncio.get_running_loop()
         first: asyncio.Future[RequestOutput] = aio.create_future()
-        task = asyncio.ensure_future(self.connector.prefill_side(kv.mode).prefill(
+        task = asyncio.ensure_future(self.handoff.prefill.of(kv.mode).prefill(
             kv, prompt_ids, params, on_first=lambda out: first.done() or first.set_result(out)))
         streaming = False
         try:
@@ -156,7 +119,7 @@ class WorkerHandoff:
             except HandoffError as exc:
                 yield M.encode({"error": api_error(exc).body()["error"], "status": exc.status}) + b"\n"
                 return
-            self._observe("prefill", handoff)
+            self._observe(Role.PREFILL, handoff)
             yield M.encode({"handoff": handoff}) + b"\n"
         finally:
             if not task.done():
@@ -165,15 +128,15 @@ class WorkerHandoff:
     def refused(self, kv: M.KVParams, reason: str) -> None:
         """The prefill leg was refused before it started (backpressure): a registered decode worker
         hears it at once and frees the blocks it reserved."""
-        self.connector.prefill_side(kv.mode).refused(kv.handoff_id, reason)
+        self.handoff.prefill.of(kv.mode).refused(kv.handoff_id, reason)
 
     async def register(self, request: Request) -> JSONResponse:
         body = await control_body(request, self.secret)
         try:
             registration = M.parse(M.Registration, body, "registration")
             M.check_version(registration.protocol_version, "the decode worker")
-            peer = await self.rt.peer(registration.agent_metadata)
-            self.connector.push_prefill.register(registration, peer)
+            peer = await self.handoff.peers.peer(registration.agent_metadata)
+            self.handoff.prefill.push.register(registration, peer)
         except (M.MessageError, HandoffError) as exc:
             raise api_error(exc) from None
         return JSONResponse({"status": "registered"})
@@ -182,7 +145,7 @@ class WorkerHandoff:
     async def submit_decode(self, kv: M.KVParams, stream: RequestStream, prompt_ids: list[int],
                             params: SamplingParams) -> None:
         try:
-            await self.connector.decode_side(kv.mode).decode(kv, prompt_ids, params, stream._on_output)
+            await self.handoff.decode.of(kv.mode).decode(kv, prompt_ids, params, stream.on_output)
         except HandoffError as exc:
             raise api_error(exc) from None
         except ConnectionError as exc:
@@ -190,7 +153,7 @@ class WorkerHandoff:
                              type="handoff_error") from None
 
     # ---- bookkeeping ----------------------------------------------------------------------------
-    def _observe(self, role: str, handoff: dict) -> None:
+    def _observe(self, role: Role, handoff: dict) -> None:
         phases = handoff.get("phases_ms") or {}
         total = sum(v for v in phases.values() if isinstance(v, (int, float)))
         if total:
@@ -200,12 +163,12 @@ class WorkerHandoff:
 
     def sync_counters(self) -> None:
         """Fold the handoff's counters into Prometheus (called on scrape)."""
-        counters = self.connector.counters
+        counters = self.handoff.counters.snapshot()
         for key in ("failures", "lease_expiries", "late_notifications", "verify_failures"):
             if counters[key] > self._seen[key]:
                 self.events.labels(key).inc(counters[key] - self._seen[key])
         self._seen = counters
-        retention = self.connector.retention
+        retention = self.handoff.retention
         if retention is not None:
             stats = retention.stats()
             self.retained_sessions.set(stats["num_retained_sessions"])
@@ -223,20 +186,21 @@ class WorkerHandoff:
     def health(self) -> dict:
         """What /health adds on this worker: a bidirectional prefill's reuse rates (the router's
         three-way choice among its cache, a fetch and recomputing reads them)."""
-        reuse, health = self.connector.reuse, {"asked": dict(self.asked)}
+        health = {"asked": dict(self.asked)}
         if self.publisher is not None:
-            retention = self.connector.retention
+            retention = self.handoff.retention
             health["kv_events"] = self.publisher.health(retention.cfg.ttl_s if retention is not None else None,
-                                                        self.server.info.tokenizer.fingerprint)
-        return health | ({"reuse_rates": reuse.cost_model.rates()} if self.role == "prefill" and reuse.enabled else {})
+                                                        self.info.tokenizer.fingerprint)
+        reuse = self.handoff.reuse
+        return health | ({"reuse_rates": reuse.cost_model.rates()} if reuse is not None else {})
 
-    def info(self) -> dict:
-        rt = self.rt
-        return {"worker": rt.worker_name, "role": self.role, "agent_metadata": rt.metadata_b64(),
-                "protocol_version": M.PROTOCOL_VERSION, "block_size": rt.block_size,
-                "block_bytes": rt.layout.block_bytes, "num_layers": rt.layout.num_layers,
-                "layer_bytes": rt.layout.layer_bytes, "dtype": str(rt.engine.dtype).removeprefix("torch."),
-                "model": rt.engine.served_name}
+    def info_body(self) -> dict:
+        door = self.handoff.door
+        return {"worker": self.handoff.worker_name, "role": self.role, "agent_metadata": self.handoff.peers.metadata_b64(),
+                "protocol_version": M.PROTOCOL_VERSION, "block_size": door.block_size,
+                "block_bytes": door.layout.block_bytes, "num_layers": door.layout.num_layers,
+                "layer_bytes": door.layout.layer_bytes, "dtype": str(door.engine.dtype).removeprefix("torch."),
+                "model": door.engine.served_name}
 
 
 async def control_body(request: Request, secret: bytes) -> dict:
@@ -254,14 +218,14 @@ async def control_message(request: Request, secret: bytes, cls: type, what: str)
         raise api_error(exc) from None
 
 
-def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
-    server, connector, secret = handoff.server, handoff.connector, handoff.secret
-    server.handoff = handoff
+def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff, server: Server) -> None:
+    secret, parts = handoff.secret, handoff.handoff
+    door, prefill, decode, retention = parts.door, parts.prefill, parts.decode, parts.retention
 
     @app.get("/kv/info")
     async def kv_info(request: Request):
         check_control(request, secret)
-        return handoff.info()
+        return handoff.info_body()
 
     @app.get("/kv/tokenizer")
     async def kv_tokenizer(request: Request):
@@ -276,16 +240,15 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         """What this worker holds now, as its KV events have told the routers: its prefix cache's block
         hashes and its retained turns (a router's index is checked against it: tests, operators)."""
         check_control(request, secret)
-        retention, pool = connector.retention, handoff.rt.loop.engine.pool
 
         def look() -> dict:
-            return {"blocks": sorted(h.hex() for h in pool.cached),
+            return {"blocks": door.cached_blocks(),
                     "retained": sorted(retention.sessions) if retention is not None else []}
-        return await asyncio.wrap_future(handoff.rt.loop.call(look))
+        return await asyncio.wrap_future(door.call(look))
 
     @app.post("/kv/register")
     async def kv_register(request: Request):
-        if handoff.role != "prefill":
+        if prefill is None:
             raise P.APIError(400, "registrations go to prefill workers")
         return await handoff.register(request)
 
@@ -294,10 +257,10 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         """Late-bound push, router -> prefill: the handoff goes to another decode worker (409 once its
         WRITE has started)."""
         message = await control_message(request, secret, M.Rebind, "/kv/rebind")
-        if handoff.role != "prefill":
+        if prefill is None:
             raise P.APIError(400, "rebinds go to prefill workers")
         try:
-            connector.push_prefill.rebind(message)
+            prefill.push.rebind(message)
         except HandoffError as exc:
             raise api_error(exc) from None
         return {"rebound": message.handoff_id, "binding": message.binding}
@@ -306,7 +269,7 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
     async def kv_release(request: Request):
         """Pull, decode -> prefill (or the router): the pinned KV will not be read."""
         message = await control_message(request, secret, M.HandoffRef, "/kv/release")
-        return {"released": connector.pull_prefill.release(message.handoff_id)}
+        return {"released": prefill is not None and prefill.pull.release(message.handoff_id)}
 
     @app.post("/kv/failed")
     async def kv_failed(request: Request):
@@ -314,15 +277,15 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         says so itself over the notification channel; this path covers a prefill that died or whose
         channel is what broke, so decode acts now instead of after --kv-timeout-s."""
         report = await control_message(request, secret, M.KVFailed, "/kv/failed")
-        if handoff.role != "decode":
+        if decode is None:
             raise P.APIError(400, "failure reports go to decode workers")
-        return {"failed": connector.kv_failed(report)}
+        return {"failed": parts.kv_failed(report)}
 
     @app.post("/kv/cancel")
     async def kv_cancel(request: Request):
         """The router gave up on a handoff (its client left): free what this worker holds for it."""
         message = await control_message(request, secret, M.HandoffRef, "/kv/cancel")
-        connector.cancel(message.handoff_id)
+        parts.cancel(message.handoff_id)
         return {"cancelled": message.handoff_id}
 
     @app.post("/kv/retained/lease")
@@ -332,7 +295,8 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         message = await control_message(request, secret, M.LeaseRequest, "/kv/retained/lease")
         if message.num_blocks <= 0:
             raise P.APIError(400, "num_blocks must be a positive integer", param="num_blocks")
-        lease = await handoff.rt.blocking(lease_retained, handoff.rt, connector.retention, message)
+        lease = await parts.chores.blocking(lease_retained, door, parts.peers, retention, message,
+                                            parts.cfg.kv_timeout_s)
         if lease is None:
             raise P.APIError(410, f"no retained KV {message.retention_id!r} with {message.num_blocks} blocks here "
                              "(expired, evicted or never kept)", type="handoff_error", code="retained_kv_gone")
@@ -342,9 +306,8 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
     async def kv_retained_release(request: Request):
         """Bidirectional, decode side: the router says this retained conversation will not be read."""
         message = await control_message(request, secret, M.RetainedRef, "/kv/retained/release")
-        retention = connector.retention
-        released = retention is not None and await handoff.rt.blocking(
-            lambda: handoff.rt.loop.call(lambda: retention.release(message.retention_id)).result(30))
+        released = retention is not None and await parts.chores.blocking(
+            lambda: door.call(lambda: retention.release(message.retention_id)).result(30))
         return {"released": bool(released)}
 
     @app.post("/kv/retained/find")
@@ -353,7 +316,6 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         (by session id or block hashes)? Any router asks, whichever served the previous turn."""
         message = await control_message(request, secret, M.RetainedQuery, "/kv/retained/find")
         handoff.asked["/kv/retained/find"] += 1
-        retention = connector.retention
         return {"retained": None if retention is None else retention.find(message)}
 
     @app.post("/kv/prompt")
@@ -368,10 +330,7 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff) -> None:
         except ValidationError as exc:
             raise P.APIError(400, f"not a valid request: {exc.errors()[0].get('msg')}") from None
         ids = server.chat_prompt(parsed) if chat else server.completion_prompt(parsed)
-        hashes = hash_chain(ids, handoff.rt.block_size)
-        # What this worker's prefix cache holds of it now, for cache-aware routing by any router. A peek
-        # from the event loop's thread: dict lookups are atomic under the GIL, and a block evicted a
-        # moment later only makes it an estimate (the engine computes what it no longer holds).
-        cached = handoff.rt.loop.engine.pool.cached_prefix_len(hashes)
-        return {"num_tokens": len(ids), "block_size": handoff.rt.block_size, "block_hashes": [h.hex() for h in hashes],
-                "cached_blocks": cached}
+        hashes = hash_chain(ids, door.block_size)
+        # What this worker's prefix cache holds of it now, for cache-aware routing by any router.
+        return {"num_tokens": len(ids), "block_size": door.block_size, "block_hashes": [h.hex() for h in hashes],
+                "cached_blocks": door.cached_prefix_len(hashes)}

@@ -11,15 +11,13 @@ transfer layer coalesces a layer's runs of adjacent blocks (on both sides) into 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import google_crc32c
 import numpy as np
+import torch
 
 from kvhandoff.transfer.descriptors import DescList
-
-if TYPE_CHECKING:       # the router imports the handoff modules for their router legs: no torch there
-    import torch
+from kvhandoff.worker.errors import HandoffError
 
 REGION = "kv"
 
@@ -42,6 +40,18 @@ class KVLayout:
     def peer(self, num_blocks: int) -> "KVLayout":
         """The layout of a peer's pool of `num_blocks` blocks (the same model, dtype and block size)."""
         return replace(self, num_blocks=num_blocks)
+
+    def checked_peer(self, pool_blocks: int, block_ids: list[int], what: str, status: int = 400) -> "KVLayout":
+        """The layout of a peer's pool of `pool_blocks` blocks, whose `block_ids` (named in `what`) must
+        lie in it: a HandoffError (`status`) otherwise. (Every byte of a transfer is also checked
+        against the peer's region by the agents; this catches ids that would land in another layer.)"""
+        if pool_blocks < 1:
+            raise HandoffError(f"{what} names a pool of {pool_blocks} blocks", status)
+        layout = self.peer(pool_blocks)
+        bad = layout.out_of_range(block_ids)
+        if bad is not None:
+            raise HandoffError(f"{what} names block {bad}, outside its pool of {pool_blocks} blocks", status)
+        return layout
 
     def out_of_range(self, block_ids: list[int]) -> int | None:
         """The first of `block_ids` outside this pool, if any (a peer's ids are checked on arrival)."""
@@ -71,7 +81,6 @@ def block_checksums(kv_cache: torch.Tensor, block_ids: list[int]) -> list[int]:
     1,024-token SmolLM2 bf16 prompt's 33 blocks (990 ranges), against 6.1 ms for zlib's CRC-32, and
     over one numpy view of the pool (a torch slice per range cost another 3.9 ms; Zen 4, 2026-12-05).
     The pool is the transfer agent's host memory."""
-    import torch        # loaded already wherever there is a pool (see the TYPE_CHECKING import)
     ranges = kv_cache.view(torch.uint8).numpy().reshape(kv_cache.shape[0], kv_cache.shape[1], -1)
     sums = []
     for b in block_ids:

@@ -20,6 +20,7 @@ import httpx
 
 from kvhandoff.transfer.agent import WILDCARD_HOSTS
 from kvhandoff.wire.auth import control_headers
+from kvhandoff.wire.modes import ROLES, Role
 
 log = logging.getLogger("kvhandoff.join")
 REFRESH_S = 10.0
@@ -48,8 +49,8 @@ def advertised_url(host: str, port: int, advertise: str | None) -> str:
 class Membership:
     """This worker's place in each router's pool, kept by a daemon thread."""
 
-    def __init__(self, routers: list[str], role: str, url: str, secret: bytes):
-        assert role in ("prefill", "decode"), role
+    def __init__(self, routers: list[str], role: Role, url: str, secret: bytes):
+        assert role in ROLES, role
         self.routers, self.role, self.url = routers, role, url
         self.headers = control_headers(secret)
         self.instance = uuid.uuid4().hex        # this run: once an admin drains it, it stays out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvhandoff.engine.request import RequestOutput
+from kvhandoff.engine.request import FinishReason, RequestOutput
 from kvhandoff.wire.http import LATENCY_BUCKETS
 
 class Metrics:
@@ -54,7 +54,7 @@ class Metrics:
         if t.get("decode_ms") is not None and out.num_output_tokens > 1:
             self.tpot.observe(t["decode_ms"] / 1e3 / (out.num_output_tokens - 1))
         # Aborted requests' latency is the client's choice, not ours: keep them out of e2e.
-        if t.get("total_ms") is not None and out.finish_reason in ("stop", "length"):
+        if t.get("total_ms") is not None and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.e2e.observe(t["total_ms"] / 1e3)
 
     def render(self, stats: dict) -> bytes:

@@ -1,4 +1,5 @@
-"""Pull and pull-reader (docs/HANDOFF.md, "Pull and pull-reader"), top to bottom.
+"""Pull and pull-reader (docs/HANDOFF.md, "Pull and pull-reader"), driven: protocol/pull_prefill.py
+and protocol/arrival.py decide, this file does.
 
 The prefill worker computes the prompt and samples its first token, pins the prompt's blocks under
 a lease and answers where they are (messages.PullHandoff). Only then does the router pick the decode
@@ -6,7 +7,7 @@ worker (late binding: the load as it is now), which reserves blocks, READs the K
 the checksums and releases the lease. `pull` posts the READ from the engine thread at the step that
 reserved the blocks; `pull-reader` leaves posting to the reader thread too.
 
-Failure edges, and who ends each (the table's claim decides the one outcome):
+Failure edges, and who ends each (the machines' first end state decides the one outcome):
 - the READ fails, or the bytes fail verification: decode recomputes (or fails, by policy); Release
   goes out either way, so the lease is not held for nothing.
 - the lease runs out before the READ: prefill frees the blocks; a late READ gets other bytes, whose
@@ -20,15 +21,23 @@ Failure edges, and who ends each (the table's claim decides the one outcome):
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.transfer.errors import TransferError
 from kvhandoff.wire import messages as M
-from kvhandoff.worker.reuse import FetchingPrefill, ReusePrefill
-from kvhandoff.worker.runtime import DecodeSide, HandoffError, Incoming, Runtime, ms
+from kvhandoff.wire.modes import FinishReason
+from kvhandoff.worker.arrivals import DecodeSide, Incoming
+from kvhandoff.worker.chores import Chores
+from kvhandoff.worker.errors import HandoffError
+from kvhandoff.worker.mailbox import Mailbox
+from kvhandoff.worker.protocol import arrival as A
+from kvhandoff.worker.protocol import pull_prefill as P
+from kvhandoff.worker.protocol.actions import AbortPrompt, Count, End, ReleaseBlocks, Warn
+from kvhandoff.worker.reuse import FetchingPrefill
 
 log = logging.getLogger("kvhandoff.handoff")
 
@@ -36,120 +45,128 @@ log = logging.getLogger("kvhandoff.handoff")
 # ---------------------------------------------------------------------------------------------------
 # Prefill side
 
-@dataclass
+@dataclass(eq=False)
 class PullPin:
-    """Prefill side of one pull handoff: being computed, then pinned under a lease."""
+    """Prefill side of one pull handoff: its state (protocol/pull_prefill.py), changed under `lock`."""
     handoff_id: str
-    lease_expiry: float | None = None       # set once the KV is pinned
+    state: P.Pin = None
     fetch: Incoming | None = None           # bidirectional: history read back before computing
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self):
+        self.state = self.state or P.Pin(self.handoff_id)
 
 
 class PullPrefill(FetchingPrefill):
-    def __init__(self, rt: Runtime, reuse: ReusePrefill):
-        super().__init__(rt, reuse)
-        rt.on(M.Release, PullPin, lambda peer, note, pin: self.release(note.handoff_id))
-        rt.on(M.Renew, PullPin, self._renew)
-        rt.every_tick(self._expire)
+    def __init__(self, *, mail: Mailbox, **parts):
+        super().__init__(**parts)
+        mail.on(M.Release, PullPin, lambda peer, note, pin: self.step(pin, P.Released()))
+        mail.on(M.Renew, PullPin, lambda peer, note, pin: self.step(pin, P.Renewed(time.monotonic(), self.cfg.lease_s)))
+        self.chores.every_tick(self._tick)
+
+    def step(self, pin: PullPin, event) -> list:
+        with pin.lock:
+            pin.state, actions = P.step(pin.state, event)
+            for action in actions:
+                kind = type(action)
+                if kind is End:
+                    self.table.claim(pin.handoff_id, action.reason, pin, action.status)
+                elif kind is ReleaseBlocks:
+                    self.door.release(pin.handoff_id)
+                elif kind is AbortPrompt:
+                    self.door.abort(pin.handoff_id)     # finished() then finds it ended: nothing pinned
+                elif kind is Count:
+                    self.counters.bump(action.name)
+                elif kind is Warn:
+                    log.warning("%s", action.message)
+        return actions
 
     async def prefill(self, kv: M.PullPrefillParams, prompt_ids: list[int], params: SamplingParams,
                       on_first: Callable[[RequestOutput], None]) -> dict:
         """Compute the prompt (its first token goes to `on_first` at once), pin its KV, answer the
         handoff object (the router's prefill leg)."""
-        pin = self.rt.table.add(kv.handoff_id, PullPin(kv.handoff_id))
+        pin = self.table.add(kv.handoff_id, PullPin(kv.handoff_id))
         out, reuse_report = await self.compute(pin, kv, prompt_ids, params)
         on_first(out)
-        checksums = await self.rt.blocking(self.rt.checksums, out.kv_block_ids)
+        checksums = await self.chores.blocking(self.door.checksums, out.kv_block_ids)
         return M.PullHandoff(
-            handoff_id=kv.handoff_id, prefill_worker=self.rt.worker_name, prompt_token_ids=prompt_ids,
+            handoff_id=kv.handoff_id, prefill_worker=self.worker_name, prompt_token_ids=prompt_ids,
             num_kv_tokens=out.num_kv_tokens, first_token_id=out.new_token_ids[0], block_ids=out.kv_block_ids,
-            pool_blocks=self.rt.layout.num_blocks, checksums=checksums, lease_ms=ms(self.rt.cfg.lease_s),
-            agent_metadata=self.rt.metadata_b64(),
+            pool_blocks=self.door.layout.num_blocks, checksums=checksums, lease_ms=M.ms(self.cfg.lease_s),
+            agent_metadata=self.peers.metadata_b64(),
             phases_ms={"prefill_queue": out.timings["queue_ms"], "prefill_compute": out.timings["prefill_ms"]},
             **reuse_report).to_dict()
 
     def finished(self, pin: PullPin, request, out: RequestOutput) -> bool:
         """Engine thread: the prompt is computed; pin its blocks under the lease (unless the router
         gave up meanwhile: then they go straight back)."""
-        self.reuse.finished(pin.fetch)
-        if out.finish_reason != "prefilled":
-            self.rt.table.claim(pin.handoff_id, f"prefill ended: {out.error or out.finish_reason}", pin)
+        self.fetch_ended(pin)
+        if out.finish_reason != FinishReason.PREFILLED:
+            self.step(pin, P.PromptFailed(f"prefill ended: {out.error or out.finish_reason}"))
             return False
-        # Pin first, then look: a cancel that claimed the handoff before this saw nothing pinned (and
-        # aborted a request that had finished already), so the blocks go back here; one that claims it
-        # after sees the lease and releases them. (Looking first left a pin nobody would free.)
-        pin.lease_expiry = time.monotonic() + self.rt.cfg.lease_s
-        if self.rt.table.get(pin.handoff_id) is not pin:
+        # One step under the pin's lock: a cancel that ended it before this saw nothing pinned (and
+        # aborted a request that had finished already), so the blocks go back here; one after it
+        # sees the pin and releases them.
+        self.step(pin, P.Computed(time.monotonic(), self.cfg.lease_s))
+        if pin.state.phase is not P.Phase.PINNED:
             return False
         self.observe(out)
-        self.rt.cfg.faults.reached("registered", pin.handoff_id)
+        self.cfg.faults.reached("registered", pin.handoff_id)
         return True
 
     def release(self, handoff_id: str) -> bool:
         """Decode read the KV, or will not (Release, /kv/release): unpin it. False if not pinned here."""
-        pin = self.rt.table.get(handoff_id)
-        if not isinstance(pin, PullPin) or pin.lease_expiry is None or \
-                self.rt.table.claim(handoff_id, "released", pin) is None:
-            return False
-        self.rt.release(handoff_id)
-        return True
+        pin = self.table.get(handoff_id)
+        return isinstance(pin, PullPin) and any(isinstance(a, ReleaseBlocks) for a in self.step(pin, P.Released()))
 
     def cancel(self, pin: PullPin) -> None:
         """The router gave up: stop computing, or unpin."""
-        if self.rt.table.claim(pin.handoff_id, "cancelled", pin) is None:
-            return
-        if pin.lease_expiry is None:
-            self.rt.loop.abort(pin.handoff_id)      # finished() then finds it claimed: nothing pinned
-        else:
-            self.rt.release(pin.handoff_id)
+        self.step(pin, P.Cancelled())
 
-    def _renew(self, peer: str, note: M.Renew, pin: PullPin) -> None:
-        if pin.lease_expiry is not None:
-            pin.lease_expiry = time.monotonic() + self.rt.cfg.lease_s
+    def refused(self, handoff_id: str, reason: str) -> None:
+        pin = self.table.get(handoff_id)
+        if isinstance(pin, PullPin):
+            self.step(pin, P.PromptFailed(f"the prefill worker refused the request: {reason}"))
 
-    def _expire(self, now: float) -> None:
-        for pin in self.rt.table.entries(PullPin):
-            if pin.lease_expiry is not None and pin.lease_expiry <= now and \
-                    self.rt.table.claim(pin.handoff_id, "lease expired", pin) is not None:
-                self.rt.counters.bump("lease_expiries")
-                log.warning("handoff %s: lease expired, blocks freed", pin.handoff_id)
-                self.rt.release(pin.handoff_id)
+    def _tick(self, now: float) -> None:
+        for pin in self.table.entries(PullPin):
+            self.step(pin, P.Tick(now))
 
 
 # ---------------------------------------------------------------------------------------------------
 # Decode side
 
 class PullDecode(DecodeSide):
-    def __init__(self, rt: Runtime):
-        super().__init__(rt)
+    kind = A.Kind.PULL
+
+    def __init__(self, *, chores: Chores, mail: Mailbox, **parts):
+        super().__init__(**parts)
+        self.chores, self.mail = chores, mail
         self._to_post: list[Incoming] = []     # reserved this step; `pull` posts their READs (engine thread)
-        rt.every_tick(self._renew_queued)
 
     async def decode(self, kv: M.PullDecodeParams, prompt_ids: list[int], params: SamplingParams, on_output) -> None:
         """Queue the request; its KV is READ from the prefill worker once blocks are reserved."""
-        self.rt.refuse_ended(kv.handoff_id)
+        self.table.refuse_ended(kv.handoff_id)
         remote = kv.remote
         if remote.num_kv_tokens != len(prompt_ids) or remote.prompt_token_ids != prompt_ids:
             raise HandoffError("the handoff object does not match the prompt", 400)
-        if not self.rt.is_token(remote.first_token_id):
+        if not self.door.is_token(remote.first_token_id):
             raise HandoffError("the handoff object lacks a valid first_token_id", 400)
         if len(remote.checksums) != len(remote.block_ids):
             raise HandoffError("the handoff object has a checksum per block, or it is malformed", 400)
-        remote_layout = self.rt.peer_layout(remote.pool_blocks, remote.block_ids, "the handoff object")
-        peer = await self.rt.peer(remote.agent_metadata)
-        incoming = Incoming(kv.handoff_id, len(prompt_ids), peer=peer, mode=kv.mode, remote_blocks=list(remote.block_ids),
-                            remote_layout=remote_layout, checksums=list(remote.checksums),
-                            first_token=remote.first_token_id)
+        remote_layout = self.door.layout.checked_peer(remote.pool_blocks, remote.block_ids, "the handoff object")
+        peer = await self.peers.peer(remote.agent_metadata)
+        incoming = self.incoming(kv, len(prompt_ids), peer, remote_blocks=list(remote.block_ids),
+                                 remote_layout=remote_layout, checksums=list(remote.checksums),
+                                 first_token=remote.first_token_id)
         self.submit(kv, incoming, prompt_ids, params, on_output)
 
-    def reserved(self, incoming: Incoming, request, num_local_tokens: int) -> None:
-        """Engine thread, scheduler half: blocks are reserved; the READ covers those we lack."""
-        self.note_reserved(incoming, request, num_local_tokens)
-        skip = incoming.skip_blocks
-        incoming.remote_blocks, incoming.checksums = incoming.remote_blocks[skip:], incoming.checksums[skip:]
-        self.rt.cfg.faults.reached("registered", incoming.handoff_id)
+    def post_read(self, incoming: Incoming) -> None:
+        """Engine thread (the machine's PostRead at reservation): the READ covers the blocks we lack."""
+        self.cfg.faults.reached("registered", incoming.handoff_id)
         incoming.transfer_started = time.monotonic()
         if incoming.mode.reader_thread:
-            self.rt.reader.put(lambda: self._read(incoming, None), self.rt.cfg.faults.due())
+            self.chores.reader.put(lambda: self._read(incoming, None), self.cfg.faults.due())
         else:
             self._to_post.append(incoming)
 
@@ -162,15 +179,15 @@ class PullDecode(DecodeSide):
                 handle = self._post_read(incoming)
             except TransferError as exc:
                 handle = exc
-            self.rt.reader.put(lambda i=incoming, h=handle: self._read(i, h), self.rt.cfg.faults.due())
+            self.chores.reader.put(lambda i=incoming, h=handle: self._read(i, h), self.cfg.faults.due())
 
     def _post_read(self, incoming: Incoming):
-        return self.rt.agent.read(incoming.peer, self.rt.layout.block_descs(incoming.transferred_blocks),
-                                  incoming.remote_layout.block_descs(incoming.remote_blocks))
+        return self.peers.read(incoming.peer, self.door.layout.block_descs(incoming.transferred_blocks),
+                               incoming.remote_layout.block_descs(incoming.remote_blocks))
 
     def _read(self, incoming: Incoming, handle) -> None:
         """Reader thread: wait for the READ (posting it first for pull-reader), verify, release."""
-        faults = self.rt.cfg.faults
+        faults = self.cfg.faults
         try:
             if isinstance(handle, Exception):
                 raise handle
@@ -178,28 +195,15 @@ class PullDecode(DecodeSide):
             faults.reached("transfer", incoming.handoff_id)
             if faults.read_fail:
                 raise TransferError("injected READ failure (--inject-faults read_fail)")
-            handle.wait(self.rt.cfg.kv_timeout_s)
+            handle.wait(self.cfg.kv_timeout_s)
             incoming.bytes = handle.nbytes
             incoming.transfer_s = time.monotonic() - incoming.transfer_started
-            self.rt.arrived(incoming)
+            self.arrivals.arrived(incoming)
         except Exception as exc:
-            self.rt.fail(incoming, f"KV read from {incoming.peer} failed: {exc}")
+            self.arrivals.fail(incoming, f"KV read from {incoming.peer} failed: {exc}")
         finally:
-            self.rt.notify(incoming.peer, M.Release(handoff_id=incoming.handoff_id))
-            self.rt.settle(incoming.request_id)     # ended while we read: its blocks waited for us
-
-    def ended_early(self, incoming: Incoming) -> None:
-        """The request ended before its K/V landed: the prefill can let the lease go now."""
-        self.rt.notify(incoming.peer, M.Release(handoff_id=incoming.handoff_id))
-        incoming.settle_at = time.monotonic() + self.rt.cfg.kv_timeout_s    # a READ in flight ends by then
+            self.mail.notify(incoming.peer, M.Release(handoff_id=incoming.handoff_id))
+            self.arrivals.settle(incoming.request_id)     # ended while we read: its blocks waited for us
 
     def report_transfer(self, incoming: Incoming) -> float | None:
-        return ms(incoming.transfer_s) if incoming.failure is None else None    # decode moved the bytes
-
-    def _renew_queued(self, now: float) -> None:
-        """Still queued for blocks: keep the prefill's lease alive."""
-        for incoming in self.rt.table.entries(Incoming):
-            if incoming.side is self and incoming.reserved_at is None and \
-                    now - (incoming.renewed_at or incoming.arrival) > self.rt.cfg.lease_s / 3:
-                incoming.renewed_at = now
-                self.rt.notify(incoming.peer, M.Renew(handoff_id=incoming.handoff_id))
+        return M.ms(incoming.transfer_s) if incoming.failure is None else None    # decode moved the bytes

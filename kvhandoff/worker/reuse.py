@@ -26,18 +26,26 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from kvhandoff.engine.block_pool import hash_chain
+from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestOutput, RetainedKV, SamplingParams
 from kvhandoff.wire import messages as M
-from kvhandoff.wire.cost import CostModel, ReuseConfig, ReuseDecision, ReuseWay, common_prefix_blocks, decide
-from kvhandoff.worker.config import RetentionConfig
+from kvhandoff.wire.cost import CostModel, ReuseDecision, ReuseWay, common_prefix_blocks, decide
+from kvhandoff.wire.modes import FinishReason
+from kvhandoff.worker.arrivals import Arrivals, Incoming
+from kvhandoff.worker.chores import Chores
+from kvhandoff.worker.config import HandoffConfig, RetentionConfig
+from kvhandoff.worker.engine_door import EngineDoor
+from kvhandoff.worker.errors import HandoffError
+from kvhandoff.worker.inflight import Counters, InFlight
 from kvhandoff.worker.kv_events import RETAINED, UNRETAINED
-from kvhandoff.worker.runtime import HandoffError, Incoming, Runtime, Side
-
-if TYPE_CHECKING:      # (the router imports this module for its router legs: no engine, no torch)
-    from kvhandoff.engine.loop import EngineLoop
+from kvhandoff.worker.mailbox import Mailbox
+from kvhandoff.worker.peers import Peers
+from kvhandoff.worker.protocol import arrival as A
+from kvhandoff.worker.protocol import retention as R
+from kvhandoff.worker.protocol.actions import Count
 
 log = logging.getLogger("kvhandoff.handoff")
 
@@ -66,13 +74,15 @@ class Session:
 
 
 class Retention:
-    """Threads: `on_retained`, `lease`, `unlease` and the engine's eviction callback run on the engine
-    thread; `expire` on the housekeeper (it only posts engine calls); `stats` on any thread."""
+    """Kept turns, each a small state machine (protocol/retention.py) this class drives. Threads:
+    `on_retained`, `lease`, `unlease`, `release` and the engine's eviction callback run on the engine
+    thread; `expire` on the housekeeper (it only posts engine calls); `find` and `stats` on any thread."""
 
     def __init__(self, loop: EngineLoop, cfg: RetentionConfig, block_bytes: int):
         self.loop, self.engine, self.cfg, self.block_bytes = loop, loop.engine, cfg, block_bytes
         self.sessions: OrderedDict[str, Session] = OrderedDict()      # least recently used first
         self.read_leases: dict[str, tuple[str, float]] = {}           # lease id -> (retention id, expiry)
+        self.turns: dict[str, R.Turn] = {}      # every turn not gone: its state (protocol/retention.py); engine thread
         # reuse_hits / lease_misses: reverse reads granted / asked for KV no longer held (the hit rate a
         # decode worker can see); leased_bytes: what those reads were granted.
         self.counters = {"retained": 0, "expiries": 0, "evictions": 0, "superseded": 0, "reuse_hits": 0,
@@ -83,9 +93,9 @@ class Retention:
         # What it keeps and lets go, for the worker's event publisher (worker/kv_events.py); engine thread.
         self.publish: Callable[[list[tuple]], None] | None = None
 
-    def attach(self, rt: Runtime) -> None:
-        rt.on(M.Unlease, None, lambda peer, note, _: self.loop.call(lambda: self.unlease(note.lease_id)))
-        rt.every_tick(self.expire)
+    def attach(self, mail: Mailbox, chores: Chores) -> None:
+        mail.on(M.Unlease, None, lambda peer, note, _: self.loop.call(lambda: self.unlease(note.lease_id)))
+        chores.every_tick(self.expire)
 
     # ---- engine thread --------------------------------------------------------------------------
     def on_retained(self, entry: RetainedKV, supersedes: str | None, key: str | None = None) -> dict:
@@ -99,12 +109,37 @@ class Retention:
         with self._lock:
             self.sessions[session.retention_id] = session
             self.counters["retained"] += 1
+        self.turns[session.retention_id] = R.Turn(session.retention_id, session.expiry)
         if self.publish is not None:
             self.publish([session.stored_event()])
-        if supersedes and supersedes != entry.retention_id and self._release(supersedes):
-            self.counters["superseded"] += 1
+        if supersedes and supersedes != entry.retention_id:
+            self._step(supersedes, R.Released("superseded"))
         self._enforce_cap()
         return session.retained(now).to_dict()
+
+    def _step(self, retention_id: str, event) -> list:
+        """Feed the turn's machine (protocol/retention.py) one event and carry its actions out."""
+        turn = self.turns.get(retention_id)
+        if turn is None:
+            return [R.Refused()] if isinstance(event, R.Leased) else []
+        turn, actions = R.step(turn, event)
+        if turn.phase is R.Phase.GONE:
+            del self.turns[retention_id]
+        else:
+            self.turns[retention_id] = turn
+        for action in actions:
+            kind = type(action)
+            if kind is R.Forget:
+                with self._lock:
+                    session = self.sessions.pop(retention_id, None)
+                if session is not None and self.publish is not None:
+                    self.publish([(UNRETAINED, session.retention_id, [bytes.fromhex(h) for h in session.block_hashes])])
+            elif kind is R.FreeBlocks:
+                self.engine.release(retention_id)
+            elif kind is Count:
+                with self._lock:
+                    self.counters[action.name] += 1
+        return actions
 
     def _enforce_cap(self) -> None:
         if self.cfg.max_bytes is None:
@@ -112,33 +147,12 @@ class Retention:
         for retention_id in list(self.sessions):
             if self.retained_bytes() <= self.cfg.max_bytes:
                 return
-            entry = self.engine.retained(retention_id)
-            if entry is not None and entry.readers > 0:
-                continue                    # being read back right now
-            if self._release(retention_id):
-                self.counters["evictions"] += 1
-
-    def _release(self, retention_id: str) -> bool:
-        """Forget an entry and free its blocks; blocks under a reverse read are freed when it ends."""
-        with self._lock:
-            session = self.sessions.pop(retention_id, None)
-        self._published_removal(session)
-        known = session is not None
-        entry = self.engine.retained(retention_id)
-        if entry is not None and entry.readers > 0:
-            return True                     # unlease() frees it
-        return self.engine.release(retention_id) or known
+            if self.turns[retention_id].phase is R.Phase.KEPT:     # (one being read back waits)
+                self._step(retention_id, R.Released("evictions"))
 
     def _evicted(self, retention_id: str) -> None:
         """The engine needed the blocks for a request (pressure eviction)."""
-        with self._lock:
-            session = self.sessions.pop(retention_id, None)
-        self._published_removal(session)
-        self.counters["evictions"] += 1
-
-    def _published_removal(self, session: Session | None) -> None:
-        if session is not None and self.publish is not None:
-            self.publish([(UNRETAINED, session.retention_id, [bytes.fromhex(h) for h in session.block_hashes])])
+        self._step(retention_id, R.Evicted())
 
     def snapshot(self) -> list[tuple]:
         """Every entry kept now, as the events that stored it (the publisher's snapshot; engine thread)."""
@@ -149,15 +163,17 @@ class Retention:
         """Hold an entry in place for a reverse read of its first `num_blocks` blocks; None if it is
         gone (expired, evicted, superseded) or shorter than that."""
         entry = self.engine.retained(retention_id)
-        if entry is None or not 0 < num_blocks <= len(entry.block_ids):
+        if entry is None or not 0 < num_blocks <= len(entry.block_ids) or \
+                any(isinstance(a, R.Refused) for a in self._step(retention_id, R.Leased())):
             with self._lock:
                 self.counters["lease_misses"] += 1
             return None
-        entry.readers += 1
+        entry.readers += 1                  # (the engine's own eviction skips a turn being read)
         self.engine.holds.touch(retention_id)              # used: evict it last
         lease_id = f"{retention_id}:{next(self._lease_ids)}"
         with self._lock:
-            self.sessions.move_to_end(retention_id)
+            if retention_id in self.sessions:
+                self.sessions.move_to_end(retention_id)
             self.read_leases[lease_id] = (retention_id, time.monotonic() + self.cfg.read_lease_s)
             self.counters["reuse_hits"] += 1
             self.counters["leased_bytes"] += num_blocks * self.block_bytes
@@ -172,16 +188,13 @@ class Retention:
         entry = self.engine.retained(held[0])
         if entry is not None:
             entry.readers -= 1
-            with self._lock:
-                forgotten = held[0] not in self.sessions
-            if forgotten and entry.readers == 0:        # released while it was being read
-                self.engine.release(held[0])
+        self._step(held[0], R.Unleased())   # released while it was read: its blocks go now
         self._enforce_cap()                 # a cap deferred for the reader applies now
         return True
 
     def release(self, retention_id: str) -> bool:
         """The router says the conversation moved on (or ended): drop its KV now."""
-        return self._release(retention_id)
+        return bool(self._step(retention_id, R.Released()))
 
     # ---- housekeeper ----------------------------------------------------------------------------
     def expire(self, now: float) -> None:
@@ -191,14 +204,7 @@ class Retention:
         for lease_id in lapsed:
             self.loop.call(lambda lease_id=lease_id: self.unlease(lease_id))
         for retention_id in expired:
-            self.loop.call(lambda rid=retention_id: self._expired(rid))
-
-    def _expired(self, retention_id: str) -> None:
-        entry = self.engine.retained(retention_id)
-        if entry is not None and entry.readers > 0:
-            return                          # after the read: its lease ends soon, then the next round
-        if self._release(retention_id):
-            self.counters["expiries"] += 1
+            self.loop.call(lambda rid=retention_id: self._step(rid, R.Expire(now)))
 
     # ---- any thread -----------------------------------------------------------------------------
     def find(self, query: M.RetainedQuery) -> dict | None:
@@ -229,61 +235,63 @@ class Retention:
                     "num_retained_blocks": sum(s.num_blocks for s in self.sessions.values())}
 
 
-def lease_retained(rt: Runtime, retention: Retention | None, request: M.LeaseRequest) -> dict | None:
+def lease_retained(door: EngineDoor, peers: Peers, retention: Retention | None, request: M.LeaseRequest,
+                   timeout_s: float) -> dict | None:
     """Decode side, blocking (an executor thread): hold a retained entry for a reverse read and say
     where its blocks are, with their checksums (messages.ReadLease); None if it is gone."""
     if retention is None:
         return None
-    lease = rt.loop.call(lambda: retention.lease(request.retention_id, request.num_blocks)).result(rt.cfg.kv_timeout_s)
+    lease = door.call(lambda: retention.lease(request.retention_id, request.num_blocks)).result(timeout_s)
     if lease is None:
         return None
     # Safe off the engine thread: a leased entry's blocks are neither freed nor written.
-    return M.ReadLease(checksums=rt.checksums(lease["block_ids"]), agent_metadata=rt.metadata_b64(),
-                       pool_blocks=rt.layout.num_blocks, **lease).to_dict()
+    return M.ReadLease(checksums=door.checksums(lease["block_ids"]), agent_metadata=peers.metadata_b64(),
+                       pool_blocks=door.layout.num_blocks, **lease).to_dict()
 
 
 # ---------------------------------------------------------------------------------------------------
 # Prefill side: decide, and fetch
 
-class ReusePrefill(Side):
-    """Reads retained history back for a prefill (its requests' remote K/V)."""
+class ReusePrefill:
+    """Reads retained history back for a prefill (its request's remote K/V: an Incoming of kind FETCH)."""
 
-    def __init__(self, rt: Runtime, cfg: ReuseConfig, enabled: bool):
-        super().__init__(rt)
-        self.cfg, self.enabled = cfg, enabled
+    def __init__(self, *, door: EngineDoor, arrivals: Arrivals, peers: Peers, chores: Chores, mail: Mailbox,
+                 control, cfg: HandoffConfig):
+        self.door, self.arrivals, self.peers, self.chores, self.mail, self.control = door, arrivals, peers, chores, mail, control
+        self.cfg = cfg.reuse
+        self.kv_timeout_s = cfg.kv_timeout_s
         self.cost_model = CostModel()
 
     async def prepare(self, handoff_id: str, candidate: M.ReuseCandidate | None,
                       prompt_ids: list[int]) -> tuple[Incoming | None, ReuseDecision]:
         """Decide; to fetch, take a read lease on the decode worker. Returns the fetch (None: compute
         everything here) and the decision so far. Any failure here means recompute."""
-        if candidate is None or not self.enabled:
-            why = "no retained history named" if candidate is None else "this worker runs without --bidirectional"
-            return None, ReuseDecision(ReuseWay.NONE, why)
-        rt, engine = self.rt, self.rt.engine
-        hashes = hash_chain(prompt_ids, rt.block_size)
-        decision, blocks = decide(self.cfg, self.cost_model, len(prompt_ids), hashes, candidate, rt.block_size,
-                                  rt.layout.block_bytes, engine.pool.cached_prefix_len(hashes))
+        if candidate is None:
+            return None, no_reuse(candidate)
+        door, block_size = self.door, self.door.block_size
+        hashes = hash_chain(prompt_ids, block_size)
+        decision, blocks = decide(self.cfg, self.cost_model, len(prompt_ids), hashes, candidate, block_size,
+                                  door.layout.block_bytes, door.cached_prefix_len(hashes))
         if not blocks:
             return None, decision
         started = time.monotonic()
         try:
             lease = await self._lease(candidate, blocks)
-            remote_layout = rt.peer_layout(lease.pool_blocks, lease.block_ids, "the read lease", status=502)
-            peer = await rt.peer(lease.agent_metadata)
+            remote_layout = door.layout.checked_peer(lease.pool_blocks, lease.block_ids, "the read lease", status=502)
+            peer = await self.peers.peer(lease.agent_metadata)
         except HandoffError as exc:
             decision.decision, decision.reason = ReuseWay.RECOMPUTE, f"fetch failed, recomputed: {exc}"
             return None, decision
-        fetch = Incoming(f"fetch:{handoff_id}", blocks * rt.block_size, request_id=handoff_id, side=self, peer=peer,
+        fetch = Incoming(f"fetch:{handoff_id}", blocks * block_size, request_id=handoff_id, side=self, peer=peer,
                          remote_blocks=lease.block_ids[:blocks], remote_layout=remote_layout,
-                         checksums=lease.checksums[:blocks], expects_first_token=False)
+                         checksums=lease.checksums[:blocks], expects_first_token=False, kind=A.Kind.FETCH)
         fetch.extra.update(lease_id=lease.lease_id, started=started)
         return fetch, decision
 
     async def _lease(self, candidate: M.ReuseCandidate, num_blocks: int) -> M.ReadLease:
         try:
-            status, body = await self.rt.control.post(candidate.decode_url, "/kv/retained/lease",
-                                                      {"retention_id": candidate.retention_id, "num_blocks": num_blocks})
+            status, body = await self.control.post(candidate.decode_url, "/kv/retained/lease", M.LeaseRequest(
+                retention_id=candidate.retention_id, num_blocks=num_blocks))
         except ConnectionError as exc:
             raise HandoffError(f"decode worker {candidate.decode_url} unreachable: {exc}", 502) from None
         if status != 200:
@@ -296,99 +304,125 @@ class ReusePrefill(Side):
             raise HandoffError(f"the read lease covers {len(lease.block_ids)} blocks, not {num_blocks}", 502)
         return lease
 
-    def reserved(self, fetch: Incoming, request, num_local_tokens: int) -> None:
-        """Engine thread: blocks for the history are reserved (those this engine's prefix cache held
-        need not travel): READ the rest on the reader thread."""
-        fetch.block_ids, fetch.reserved_at = list(request.block_table), time.monotonic()
-        fetch.skip_blocks = num_local_tokens // self.rt.block_size
-        fetch.remote_blocks, fetch.checksums = fetch.remote_blocks[fetch.skip_blocks:], fetch.checksums[fetch.skip_blocks:]
+    def post_read(self, fetch: Incoming) -> None:
+        """Engine thread (the machine's PostRead at reservation): READ the rest on the reader thread."""
         fetch.transfer_started = time.monotonic()
-        self.rt.reader.put(lambda: self._read(fetch))
+        self.chores.reader.put(lambda: self._read(fetch))
 
     def _read(self, fetch: Incoming) -> None:
         try:
-            handle = self.rt.agent.read(fetch.peer, self.rt.layout.block_descs(fetch.transferred_blocks),
-                                        fetch.remote_layout.block_descs(fetch.remote_blocks))
-            handle.wait(self.rt.cfg.kv_timeout_s)
+            handle = self.peers.read(fetch.peer, self.door.layout.block_descs(fetch.transferred_blocks),
+                                     fetch.remote_layout.block_descs(fetch.remote_blocks))
+            handle.wait(self.kv_timeout_s)
             fetch.bytes = handle.nbytes
             done = time.monotonic()
             fetch.transfer_s = done - fetch.transfer_started
-            self.rt.arrived(fetch)
+            self.arrivals.arrived(fetch)
             if fetch.failure is None:
                 self.cost_model.observe_fetch(fetch.bytes, fetch.transfer_s, done - fetch.extra["started"])
         except Exception as exc:
-            self.rt.fail(fetch, f"reverse read from {fetch.peer} failed: {exc!r}", recompute=True)
+            self.arrivals.fail(fetch, f"reverse read from {fetch.peer} failed: {exc!r}", recompute=True)
         finally:
             self._unlease(fetch)
+            self.arrivals.settle(fetch.request_id)    # the prefill ended while we read: its blocks waited for us
 
-    def finished(self, fetch: Incoming | None) -> None:
+    def finished(self, fetch: Incoming) -> None:
         """The prefill ended: a fetch it never got to (cancelled while queued) lets its lease go."""
-        if fetch is not None and self.rt.table.claim(fetch.handoff_id, "the prefill ended first", fetch):
+        if self.arrivals.ended(fetch, "the prefill ended first"):
             self._unlease(fetch)
 
     def _unlease(self, fetch: Incoming) -> None:
         lease_id = fetch.extra.pop("lease_id", None)
         if lease_id is not None:
-            self.rt.notify(fetch.peer, M.Unlease(lease_id=lease_id))
-
-    def report(self, fetch: Incoming | None, decision: ReuseDecision) -> dict:
-        """The reuse fields of the prefill's handoff object."""
-        report = {"reused_tokens": 0, "reverse_bytes": 0}
-        if fetch is not None and fetch.failure is not None:
-            decision.decision, decision.reason = ReuseWay.RECOMPUTE, f"fetch failed, recomputed: {fetch.failure}"
-        elif fetch is not None:     # reused: what came from the decode worker (not what was cached here)
-            report.update(reused_tokens=len(fetch.transferred_blocks) * self.rt.block_size, reverse_bytes=fetch.bytes)
-            decision.fetch_ms = round((fetch.ready_at - fetch.extra["started"]) * 1e3, 3) if fetch.ready_at else None
-        report["reuse_decision"] = decision.report()
-        return report
+            self.mail.notify(fetch.peer, M.Unlease(lease_id=lease_id))
 
 
-class FetchingPrefill(Side):
+
+def no_reuse(candidate: M.ReuseCandidate | None) -> ReuseDecision:
+    """The decision when there is nothing to decide."""
+    return ReuseDecision(ReuseWay.NONE, "no retained history named" if candidate is None
+                         else "this worker runs without --bidirectional")
+
+
+def reuse_report(fetch: Incoming | None, decision: ReuseDecision, block_size: int) -> dict:
+    """The reuse fields of the prefill's handoff object."""
+    report = {"reused_tokens": 0, "reverse_bytes": 0}
+    if fetch is not None and fetch.failure is not None:
+        decision.decision, decision.reason = ReuseWay.RECOMPUTE, f"fetch failed, recomputed: {fetch.failure}"
+    elif fetch is not None:     # reused: what came from the decode worker (not what was cached here)
+        report.update(reused_tokens=len(fetch.transferred_blocks) * block_size, reverse_bytes=fetch.bytes)
+        decision.fetch_ms = round((fetch.ready_at - fetch.extra["started"]) * 1e3, 3) if fetch.ready_at else None
+    report["reuse_decision"] = decision.report()
+    return report
+
+
+class FetchingPrefill:
     """What the prefill ends of pull and push share: the prompt computed (after reading history back,
     with --bidirectional), the prefill rate measured for the cost model, a failed prompt reported."""
 
-    def __init__(self, rt: Runtime, reuse: ReusePrefill):
-        super().__init__(rt)
-        self.reuse = reuse
+    def __init__(self, *, door: EngineDoor, table: InFlight, arrivals: Arrivals, peers: Peers, chores: Chores,
+                 counters: Counters, cfg: HandoffConfig, worker_name: str, reuse: ReusePrefill | None):
+        self.door, self.table, self.arrivals, self.peers, self.chores = door, table, arrivals, peers, chores
+        self.counters, self.cfg, self.worker_name, self.reuse = counters, cfg, worker_name, reuse
 
     async def compute(self, job, kv, prompt_ids: list[int], params: SamplingParams) -> tuple[RequestOutput, dict]:
         """(the prefill-only request's final output, the reuse fields of the answer); HandoffError if
         it did not complete."""
-        job.fetch, decision = await self.reuse.prepare(kv.handoff_id, kv.reuse, prompt_ids)
+        if self.reuse is None:
+            job.fetch, decision = None, no_reuse(kv.reuse)
+        else:
+            job.fetch, decision = await self.reuse.prepare(kv.handoff_id, kv.reuse, prompt_ids)
         remote = 0
         if job.fetch is not None:
-            self.rt.table.add(job.fetch.handoff_id, job.fetch)
+            self.table.add(job.fetch.handoff_id, job.fetch)
             remote = job.fetch.num_kv_tokens
         try:
-            out = await self.rt.compute(self, job, kv.handoff_id, prompt_ids, params, remote_tokens=remote)
+            out = await self.door.compute(self, job, kv.handoff_id, prompt_ids, params, remote_tokens=remote)
         except ValueError as exc:
-            self.reuse.finished(job.fetch)
+            self.fetch_ended(job)
             self.refused(kv.handoff_id, str(exc))
             raise HandoffError(str(exc), 400) from None
         except BaseException:                # cancelled (the router went away): free what we hold
-            self.reuse.finished(job.fetch)
+            self.fetch_ended(job)
             self.cancel(job)
             raise
-        if out.finish_reason != "prefilled":
-            if getattr(job, "failed", None):            # ended by the other side (its agent died)
-                raise HandoffError(job.failed, 502)
+        if out.finish_reason != FinishReason.PREFILLED:
+            failed = self.ended_by_peer(job)
+            if failed:                      # ended by the other side (its agent died)
+                raise HandoffError(failed, 502)
             raise HandoffError(f"prefill did not complete: {out.error or out.finish_reason}",
-                               500 if out.finish_reason == "error" else 503)
-        report = self.reuse.report(job.fetch, decision)
+                               500 if out.finish_reason == FinishReason.ERROR else 503)
+        report = reuse_report(job.fetch, decision, self.door.block_size)
         # The engine counts fetched blocks as cached once they land; what its own cache served is the rest.
         report["prefill_cached_tokens"] = out.num_cached_tokens - report["reused_tokens"]
         return out, report
 
+    def fetch_ended(self, job) -> None:
+        """The prefill ended: a fetch it never got to (cancelled while queued) lets its lease go."""
+        if job.fetch is not None:
+            self.reuse.finished(job.fetch)
+
+    def ended_by_peer(self, job) -> str | None:
+        """Why the other side ended this job before its prompt was computed (push), if it did."""
+        return None
+
     def reserved(self, job, request, num_local_tokens: int) -> None:
-        self.reuse.reserved(job.fetch, request, num_local_tokens)
+        """Engine thread: blocks for the fetched history are reserved."""
+        self.arrivals.reserved(job.fetch, request, num_local_tokens)
 
     def observe(self, out: RequestOutput) -> None:
+        """The prefill rate, for the reuse cost model (with --bidirectional)."""
+        if self.reuse is None:
+            return
         computed = out.num_prompt_tokens - out.num_cached_tokens
         self.reuse.cost_model.observe_prefill(computed, out.num_cached_tokens, (out.timings.get("prefill_ms") or 0) / 1e3)
 
     def refused(self, handoff_id: str, reason: str) -> None:
         """The prefill leg was refused before it started (busy, invalid)."""
-        self.rt.table.claim(handoff_id, f"the prefill worker refused the request: {reason}")
+        raise NotImplementedError
 
     def cancel(self, job) -> None:
         raise NotImplementedError
+
+    def start_loads(self) -> None:
+        """(No loads of its own: a fetch is posted on the reader thread.)"""

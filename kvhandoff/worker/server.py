@@ -28,10 +28,12 @@ from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.http import (CHAT, COMPLETIONS, CONTENT_TYPE, SSEResponse, endpoint_label, parse_body, sse_event,
                                   validation_message, wait_disconnect)
+from kvhandoff.wire.modes import FinishReason, Role
 from kvhandoff.worker.metrics import Metrics
 
 if TYPE_CHECKING:
     from kvhandoff.engine.loop import EngineLoop
+    from kvhandoff.worker.handoff import WorkerHandoff
 
 log = logging.getLogger("kvhandoff.worker")
 
@@ -64,15 +66,16 @@ class RequestStream:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, resume: Resume | None = None) -> "RequestStream":
         try:
-            self.loop.submit(self.request_id, prompt_ids, params, self._on_output, resume=resume)
+            self.loop.submit(self.request_id, prompt_ids, params, self.on_output, resume=resume)
         except ValueError as e:       # the engine's message is written for the client
             raise P.APIError(400, str(e)) from None
         except RuntimeError as e:     # the engine loop is stopping
             raise P.APIError(503, str(e), type="service_unavailable") from None
         return self
 
-    def _on_output(self, out: RequestOutput) -> None:
-        # Engine thread. Metrics here, so requests nobody listens to any more (aborted) still count.
+    def on_output(self, out: RequestOutput) -> None:
+        """Engine thread: one output of the request (EngineLoop's callback)."""
+        # Metrics here, so requests nobody listens to any more (aborted) still count.
         if out.finished:
             self._on_finished(out)
         try:
@@ -97,11 +100,11 @@ class Server:
     """Request handling behind the routes: validation, tokenization, engine I/O, response shapes."""
 
     def __init__(self, loop: "EngineLoop", info: EngineInfo, max_in_flight: int | None = None,
-                 queue_wait_s: float = 10.0):
+                 queue_wait_s: float = 10.0, handoff: "WorkerHandoff | None" = None, metrics: Metrics | None = None):
         self.loop, self.info = loop, info
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()
         self.active: dict[str, RequestStream] = {}
-        self.handoff = None     # kvhandoff.worker.handoff.WorkerHandoff on a prefill or decode worker
+        self.handoff = handoff      # on a prefill or decode worker (worker/handoff.py)
         # Backpressure: at most max_in_flight requests held (running or queued for the engine); one
         # more waits up to queue_wait_s for a slot, then gets 429 with Retry-After. None: unbounded.
         self.max_in_flight, self.queue_wait_s = max_in_flight, queue_wait_s
@@ -267,7 +270,7 @@ class Server:
             for c in first:
                 yield note("head") + sse_event(ids.first(c) if ids else c)
             async for out in stream:
-                if out.finished and out.finish_reason == "error":
+                if out.finished and out.finish_reason == FinishReason.ERROR:
                     yield note("error") + sse_event(P.error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if ids:
@@ -311,7 +314,7 @@ class Server:
         rid = kv.handoff_id if kv else P.new_id(endpoint.id_prefix)
         created, model = (kv.created if kv and kv.created else P.now()), self.info.served_name
         chat = endpoint.path == CHAT
-        if kv is not None and kv.role == "prefill":
+        if kv is not None and kv.role == Role.PREFILL:
             def first_sse(out: RequestOutput) -> str:
                 """The client's stream up to and with the first token, as `sse` would send it."""
                 ids = TokenIds(prompt_ids, chat) if req.return_token_ids else None
@@ -491,10 +494,10 @@ def with_handoff(body: dict, final: RequestOutput) -> dict:
 def engine_failure(final: RequestOutput) -> JSONResponse | None:
     """The error response for a request the engine ended without an answer (already counted in the
     metrics under its finish reason, so not raised as an APIError, which would count it again)."""
-    if final.finish_reason == "error":
+    if final.finish_reason == FinishReason.ERROR:
         log.error("request %s failed in the engine: %s", final.request_id, final.error)
         return JSONResponse(P.error_body(f"generation failed: {final.error}", "server_error"), status_code=500)
-    if final.finish_reason == "abort":
+    if final.finish_reason == FinishReason.ABORT:
         return JSONResponse(P.error_body("the request was aborted (cancelled by the router, or the server is "
                                          "shutting down); retry",
                                          "service_unavailable"), status_code=503)
@@ -505,9 +508,12 @@ def engine_failure(final: RequestOutput) -> JSONResponse | None:
 # App
 
 def build_app(loop: "EngineLoop", engine_info: EngineInfo, max_in_flight: int | None = None,
-              queue_wait_s: float = 10.0) -> FastAPI:
+              queue_wait_s: float = 10.0, handoff: "WorkerHandoff | None" = None,
+              metrics: Metrics | None = None) -> FastAPI:
+    """The OpenAI server's app; a prefill or decode worker's `handoff` adds its routes after
+    (handoff.attach_worker_routes)."""
     app = FastAPI(title="kvhandoff", version="0.1.0")
-    srv = Server(loop, engine_info, max_in_flight, queue_wait_s)
+    srv = Server(loop, engine_info, max_in_flight, queue_wait_s, handoff, metrics)
     app.state.server = srv
 
     def error_response(request: Request, err: P.APIError) -> JSONResponse:
@@ -563,7 +569,7 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo, max_in_flight: int | 
 
     @app.get("/health")
     async def health():
-        stats = {"model": engine_info.served_name, "role": srv.handoff.role if srv.handoff else "both",
+        stats = {"model": engine_info.served_name, "role": srv.handoff.role if srv.handoff else Role.BOTH,
                  **engine_info.compute, **loop.stats(), **(srv.handoff.health() if srv.handoff else {})}
         if not loop.is_alive():
             return JSONResponse({"status": "error", "error": loop.fatal_error or "engine loop stopped", **stats},
@@ -583,7 +589,4 @@ def model_card(info: EngineInfo) -> dict:
     return {"id": info.served_name, "object": "model", "created": 0, "owned_by": "kvhandoff",
             "max_model_len": info.max_model_len}
 
-
-# ---------------------------------------------------------------------------------------------------
-# Running
 

@@ -1,0 +1,87 @@
+"""Layer-wise push's plan (worker/layerwise.py drives it): as each group of layers of each prefill
+chunk is computed, which (blocks, layers) a WRITE may carry now. Each (block, layer) range is
+written exactly once, when it is final, so writes never overlap and their order does not matter:
+
+- a chunk writes the blocks it completes: a block it only starts (the prompt goes on past the
+  chunk) waits for the chunk that completes it;
+- a registration that arrives after some chunks (or layers) were computed catches up: the blocks
+  completed so far, all layers at once, then the current chunk's computed layers;
+- a prompt whose last chunk would go in one WRITE anyway leaves it to push's final WRITE, which
+  covers whatever is left and carries Done.
+
+A WRITE costs ~0.2 ms of the prefill's own core whatever its size, so a chunk's layers go in
+groups (LAYER_WRITES_PER_CHUNK a chunk) of at least MIN_WRITE_BYTES.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+LAYER_WRITES_PER_CHUNK = 6      # SmolLM2's 30 layers: 5 at a time
+# ... but no write under this many bytes: a WRITE costs ~0.2 ms of the prefill's core whatever its size
+# (descriptors, the writer thread taking the GIL from the engine's), about what copying 1 MiB through
+# shared memory takes. Measured (bench.disagg, tiny, 62 tokens: 4 writes of 31 KiB): layer-wise
+# prefill_compute 22.9 ms against push's 19.3. Where a whole chunk is under it, the chunk goes in one
+# WRITE after its last layer, and the prompt's last chunk in push's final WRITE (one fewer).
+MIN_WRITE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_layers: int
+    layer_bytes: int            # one layer of one block
+    block_size: int             # tokens a block holds
+
+
+@dataclass(frozen=True)
+class Plan:
+    skip_blocks: int = 0                    # leading blocks decode holds already: never written
+    chunk_start: int | None = None          # the chunk being sent layer by layer
+    layers_sent: int = 0                    # ... how many of its layers
+    group: int = 1                          # ... how many layers a WRITE of it carries
+    blocks_sent: int = 0                    # leading blocks whose every layer has been queued
+
+    @property
+    def first_unsent_block(self) -> int:
+        return max(self.blocks_sent, self.skip_blocks)
+
+
+@dataclass(frozen=True)
+class Write:
+    blocks: range               # of the prompt's blocks
+    first_layer: int
+    num_layers: int
+
+
+def on_layer(plan: Plan, layer: int, start: int, end: int, prompt_tokens: int, g: Geometry) -> tuple[Plan, list[Write]]:
+    """Layer `layer` of the chunk of tokens [start, end) of a `prompt_tokens` prompt is computed."""
+    writes = []
+    last = layer == g.num_layers - 1
+    if plan.chunk_start != start:           # the first layer of this chunk we hear of
+        done = start // g.block_size        # blocks completed before it but not sent (registered late)
+        if done > plan.first_unsent_block:
+            writes.append(Write(range(plan.first_unsent_block, done), 0, g.num_layers))
+            plan = replace(plan, blocks_sent=done)
+        num_blocks = len(range(plan.first_unsent_block, final_blocks(end, prompt_tokens, g.block_size)))
+        plan = replace(plan, chunk_start=start, layers_sent=0, group=group(num_blocks, g))
+    if layer + 1 - plan.layers_sent < plan.group and not last:
+        return plan, writes
+    if last and plan.layers_sent == 0 and end >= prompt_tokens:
+        return replace(plan, chunk_start=None), writes      # the final WRITE takes the whole chunk
+    blocks = range(plan.first_unsent_block, final_blocks(end, prompt_tokens, g.block_size))
+    if blocks:
+        writes.append(Write(blocks, plan.layers_sent, layer + 1 - plan.layers_sent))
+    plan = replace(plan, layers_sent=layer + 1)
+    if last:
+        plan = replace(plan, blocks_sent=max(plan.blocks_sent, blocks.stop), chunk_start=None)
+    return plan, writes
+
+
+def group(num_blocks: int, g: Geometry) -> int:
+    """Layers a WRITE of this chunk carries: a share of them, and at least MIN_WRITE_BYTES."""
+    return max(-(-g.num_layers // LAYER_WRITES_PER_CHUNK), -(-MIN_WRITE_BYTES // max(1, num_blocks * g.layer_bytes)))
+
+
+def final_blocks(end: int, prompt_tokens: int, block_size: int) -> int:
+    """How many leading blocks hold final K/V once the tokens before `end` are computed: the block
+    `end` falls in only if the prompt ends there too."""
+    return -(-end // block_size) if end >= prompt_tokens else end // block_size
