@@ -4,7 +4,7 @@ the whole file runs in well under a second. The live tests (test_handoff, test_f
 drive the same machines through real workers."""
 from __future__ import annotations
 
-from dataclasses import replace
+from msgspec.structs import replace
 
 import pytest
 

@@ -7,50 +7,43 @@ set-aside blocks can never overtake the word that set them aside.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(frozen=True)
-class Notify:
+class Notify(msgspec.Struct, frozen=True):
     """A notification (wire/messages.py) to a peer's agent; nothing if `peer` is None."""
     peer: str | None
     note: object
     after_writes: bool = False      # push-layerwise: once the layer WRITEs already posted are in
 
 
-@dataclass(frozen=True)
-class End:
+class End(msgspec.Struct, frozen=True):
     """The handoff leaves the table of handoffs in flight: a request, registration or notification that
     comes for it later is refused with `status` (409: given up; 502: a peer failed it) or counted."""
     reason: str
     status: int = 409
 
 
-@dataclass(frozen=True)
-class Refuse:
+class Refuse(msgspec.Struct, frozen=True):
     """The request that brought the event is refused (the driver raises HandoffError)."""
     message: str
     status: int = 409
     code: str | None = None
 
 
-@dataclass(frozen=True)
-class Count:
+class Count(msgspec.Struct, frozen=True):
     """Bump a handoff counter (/metrics)."""
     name: str
 
 
-@dataclass(frozen=True)
-class Warn:
+class Warn(msgspec.Struct, frozen=True):
     """A line for the worker's log."""
     message: str
 
 
-@dataclass(frozen=True)
-class ReleaseBlocks:
+class ReleaseBlocks(msgspec.Struct, frozen=True):
     """Free the blocks the engine holds under the handoff's id (a computed prompt's pin)."""
 
 
-@dataclass(frozen=True)
-class AbortPrompt:
+class AbortPrompt(msgspec.Struct, frozen=True):
     """Abort the engine request computing the handoff's prompt (it ends, and its blocks with it)."""

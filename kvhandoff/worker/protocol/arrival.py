@@ -22,8 +22,9 @@ Each kind's own edges:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from enum import Enum, auto
+
+import msgspec
 
 from kvhandoff.wire import messages as M
 from kvhandoff.worker.protocol.actions import Count, End, Notify, Warn
@@ -47,8 +48,7 @@ class Phase(Enum):
         return self in (Phase.LANDED, Phase.LOST, Phase.LEFT)
 
 
-@dataclass(frozen=True)
-class Arrival:
+class Arrival(msgspec.Struct, frozen=True):
     handoff_id: str
     kind: Kind
     arrival: float
@@ -64,21 +64,18 @@ class Arrival:
 
 
 # ---- events ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Reserved:
+class Reserved(msgspec.Struct, frozen=True):
     now: float
     timeout_s: float            # push: the registration's ttl
 
 
-@dataclass(frozen=True)
-class Arrived:
+class Arrived(msgspec.Struct, frozen=True):
     """The bytes are in our blocks and were checked: `problem` says what was wrong with them (None: right)."""
     first_token: int | None
     problem: str | None = None
 
 
-@dataclass(frozen=True)
-class Failed:
+class Failed(msgspec.Struct, frozen=True):
     """The K/V will not come. `settled` False: a transfer into the blocks may still be under way."""
     now: float
     reason: str
@@ -87,60 +84,51 @@ class Failed:
     backstop_s: float = 60.0    # set-aside blocks go back by then at the latest (2 x --kv-timeout-s)
 
 
-@dataclass(frozen=True)
-class RequestEnded:
+class RequestEnded(msgspec.Struct, frozen=True):
     """The engine ended the request (the client left) before its K/V landed, or after."""
     now: float
     reason: str
     timeout_s: float
 
 
-@dataclass(frozen=True)
-class Progress:
+class Progress(msgspec.Struct, frozen=True):
     """Push: the prefill is still computing our prompt."""
     now: float
     timeout_s: float
 
 
-@dataclass(frozen=True)
-class Tick:
+class Tick(msgspec.Struct, frozen=True):
     now: float
     timeout_s: float
     lease_s: float
 
 
-@dataclass(frozen=True)
-class Settle:
+class Settle(msgspec.Struct, frozen=True):
     """No transfer can touch the blocks any more."""
 
 
 # ---- actions of its own ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PostRead:
+class PostRead(msgspec.Struct, frozen=True):
     """Pull, fetch: READ the blocks from the peer."""
 
 
-@dataclass(frozen=True)
-class Register:
+class Register(msgspec.Struct, frozen=True):
     """Push: send the registration to the prefill worker."""
 
 
-@dataclass(frozen=True)
-class Landed:
+class Landed(msgspec.Struct, frozen=True):
     """Tell the engine: the K/V is in, with the prefill's first token."""
     first_token: int | None
 
 
-@dataclass(frozen=True)
-class Lost:
+class Lost(msgspec.Struct, frozen=True):
     """Tell the engine: recompute or fail; `settled` False sets the blocks aside."""
     recompute: bool
     reason: str
     settled: bool
 
 
-@dataclass(frozen=True)
-class ReleaseAside:
+class ReleaseAside(msgspec.Struct, frozen=True):
     """Free the set-aside blocks."""
 
 
@@ -152,10 +140,10 @@ def step(a: Arrival, event) -> tuple[Arrival, list]:
 def _reserved(a: Arrival, event: Reserved) -> tuple[Arrival, list]:
     if a.phase is not Phase.QUEUED:
         return a, []
-    a = replace(a, phase=Phase.RESERVED, reserved_at=event.now)
+    a = msgspec.structs.replace(a, phase=Phase.RESERVED, reserved_at=event.now)
     if a.kind is not Kind.PUSH:
         return a, [PostRead()]
-    return replace(a, deadline=event.now + event.timeout_s, settle_at=event.now + 2 * event.timeout_s), [Register()]
+    return msgspec.structs.replace(a, deadline=event.now + event.timeout_s, settle_at=event.now + 2 * event.timeout_s), [Register()]
 
 
 def _arrived(a: Arrival, event: Arrived) -> tuple[Arrival, list]:
@@ -163,7 +151,7 @@ def _arrived(a: Arrival, event: Arrived) -> tuple[Arrival, list]:
         return fail(a, Failed(0.0, event.problem))
     if a.phase.ended:
         return a, []                # failed, cancelled or timed out meanwhile: that outcome stands
-    return replace(a, phase=Phase.LANDED), [End("arrived"), Count("handoffs"), Landed(event.first_token)]
+    return msgspec.structs.replace(a, phase=Phase.LANDED), [End("arrived"), Count("handoffs"), Landed(event.first_token)]
 
 
 def fail(a: Arrival, event: Failed) -> tuple[Arrival, list]:
@@ -171,9 +159,9 @@ def fail(a: Arrival, event: Failed) -> tuple[Arrival, list]:
         return a, []
     settled = event.settled or a.reserved_at is None        # nothing reserved, nothing to set aside
     recompute = True if a.kind is Kind.FETCH else event.recompute if event.recompute is not None else a.recompute
-    a = replace(a, phase=Phase.LOST, failure=event.reason)
+    a = msgspec.structs.replace(a, phase=Phase.LOST, failure=event.reason)
     if not settled:                 # a backstop: the transfer's own end settles it sooner
-        a = replace(a, aside=True, settle_at=a.settle_at if a.settle_at is not None else event.now + event.backstop_s)
+        a = msgspec.structs.replace(a, aside=True, settle_at=a.settle_at if a.settle_at is not None else event.now + event.backstop_s)
     return a, [End(event.reason), Lost(recompute, event.reason, settled), Count("failures"),
                Warn(f"handoff {a.handoff_id}: {event.reason} ({'recompute' if recompute else 'fail'})")]
 
@@ -183,13 +171,13 @@ def _request_ended(a: Arrival, event: RequestEnded) -> tuple[Arrival, list]:
         return a, []
     # (A request that had reserved blocks had them set aside by the engine: a transfer may be landing.)
     reserved = a.reserved_at is not None
-    a = replace(a, phase=Phase.LEFT, aside=reserved,
+    a = msgspec.structs.replace(a, phase=Phase.LEFT, aside=reserved,
                 settle_at=(a.settle_at if a.settle_at is not None else event.now + 2 * event.timeout_s)
                 if reserved else a.settle_at)
     actions: list = [End(f"the request ended ({event.reason})")]
     if a.kind is Kind.PULL:         # the prefill can let the lease go now; a READ in flight ends by then
         actions.append(Notify(a.peer, M.Release(handoff_id=a.handoff_id)))
-        a = replace(a, settle_at=event.now + event.timeout_s)
+        a = msgspec.structs.replace(a, settle_at=event.now + event.timeout_s)
     elif a.kind is Kind.PUSH:
         actions.append(Notify(a.peer, M.Cancel(handoff_id=a.handoff_id)))
     return a, actions
@@ -199,14 +187,14 @@ def _progress(a: Arrival, event: Progress) -> tuple[Arrival, list]:
     # Move the set-aside time on before the Renew goes out (the timing rule, push.py).
     if a.deadline is None or a.phase.ended:
         return a, []
-    return replace(a, deadline=event.now + event.timeout_s, settle_at=event.now + 2 * event.timeout_s), \
+    return msgspec.structs.replace(a, deadline=event.now + event.timeout_s, settle_at=event.now + 2 * event.timeout_s), \
         [Notify(a.peer, M.Renew(handoff_id=a.handoff_id))]
 
 
 def _tick(a: Arrival, event: Tick) -> tuple[Arrival, list]:
     if a.phase is Phase.QUEUED and a.kind is Kind.PULL and \
             event.now - (a.renewed_at or a.arrival) > event.lease_s / 3:        # keep the prefill's pin
-        return replace(a, renewed_at=event.now), [Notify(a.peer, M.Renew(handoff_id=a.handoff_id))]
+        return msgspec.structs.replace(a, renewed_at=event.now), [Notify(a.peer, M.Renew(handoff_id=a.handoff_id))]
     if a.phase is Phase.RESERVED and a.kind is Kind.PUSH and event.now > a.deadline:
         a, actions = fail(a, Failed(event.now, f"no KV from the prefill worker within {event.timeout_s:.0f}s",
                                     settled=False, backstop_s=2 * event.timeout_s))
@@ -215,7 +203,7 @@ def _tick(a: Arrival, event: Tick) -> tuple[Arrival, list]:
 
 
 def _settle(a: Arrival, event: Settle) -> tuple[Arrival, list]:
-    return (replace(a, aside=False), [ReleaseAside()]) if a.aside else (a, [])
+    return (msgspec.structs.replace(a, aside=False), [ReleaseAside()]) if a.aside else (a, [])
 
 
 _HANDLERS = {Reserved: _reserved, Arrived: _arrived, Failed: fail, RequestEnded: _request_ended,

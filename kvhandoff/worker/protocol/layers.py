@@ -14,7 +14,7 @@ groups (LAYER_WRITES_PER_CHUNK a chunk) of at least MIN_WRITE_BYTES.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import msgspec
 
 LAYER_WRITES_PER_CHUNK = 6      # SmolLM2's 30 layers: 5 at a time
 # ... but no write under this many bytes: a WRITE costs ~0.2 ms of the prefill's core whatever its size
@@ -25,15 +25,13 @@ LAYER_WRITES_PER_CHUNK = 6      # SmolLM2's 30 layers: 5 at a time
 MIN_WRITE_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class Geometry:
+class Geometry(msgspec.Struct, frozen=True):
     num_layers: int
     layer_bytes: int            # one layer of one block
     block_size: int             # tokens a block holds
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(msgspec.Struct, frozen=True):
     skip_blocks: int = 0                    # leading blocks decode holds already: never written
     chunk_start: int | None = None          # the chunk being sent layer by layer
     layers_sent: int = 0                    # ... how many of its layers
@@ -45,8 +43,7 @@ class Plan:
         return max(self.blocks_sent, self.skip_blocks)
 
 
-@dataclass(frozen=True)
-class Write:
+class Write(msgspec.Struct, frozen=True):
     blocks: range               # of the prompt's blocks
     first_layer: int
     num_layers: int
@@ -60,19 +57,19 @@ def on_layer(plan: Plan, layer: int, start: int, end: int, prompt_tokens: int, g
         done = start // g.block_size        # blocks completed before it but not sent (registered late)
         if done > plan.first_unsent_block:
             writes.append(Write(range(plan.first_unsent_block, done), 0, g.num_layers))
-            plan = replace(plan, blocks_sent=done)
+            plan = msgspec.structs.replace(plan, blocks_sent=done)
         num_blocks = len(range(plan.first_unsent_block, final_blocks(end, prompt_tokens, g.block_size)))
-        plan = replace(plan, chunk_start=start, layers_sent=0, group=group(num_blocks, g))
+        plan = msgspec.structs.replace(plan, chunk_start=start, layers_sent=0, group=group(num_blocks, g))
     if layer + 1 - plan.layers_sent < plan.group and not last:
         return plan, writes
     if last and plan.layers_sent == 0 and end >= prompt_tokens:
-        return replace(plan, chunk_start=None), writes      # the final WRITE takes the whole chunk
+        return msgspec.structs.replace(plan, chunk_start=None), writes      # the final WRITE takes the whole chunk
     blocks = range(plan.first_unsent_block, final_blocks(end, prompt_tokens, g.block_size))
     if blocks:
         writes.append(Write(blocks, plan.layers_sent, layer + 1 - plan.layers_sent))
-    plan = replace(plan, layers_sent=layer + 1)
+    plan = msgspec.structs.replace(plan, layers_sent=layer + 1)
     if last:
-        plan = replace(plan, blocks_sent=max(plan.blocks_sent, blocks.stop), chunk_start=None)
+        plan = msgspec.structs.replace(plan, blocks_sent=max(plan.blocks_sent, blocks.stop), chunk_start=None)
     return plan, writes
 
 

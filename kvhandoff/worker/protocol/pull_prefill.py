@@ -9,10 +9,17 @@ expired gets other bytes, whose checksums disagree: decode recomputes, never gar
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from enum import Enum, auto
 
-from kvhandoff.worker.protocol.actions import AbortPrompt, Count, End, ReleaseBlocks, Warn
+import msgspec
+
+from kvhandoff.worker.protocol.actions import (
+    AbortPrompt,
+    Count,
+    End,
+    ReleaseBlocks,
+    Warn,
+)
 
 
 class Phase(Enum):
@@ -21,43 +28,36 @@ class Phase(Enum):
     ENDED = auto()
 
 
-@dataclass(frozen=True)
-class Pin:
+class Pin(msgspec.Struct, frozen=True):
     handoff_id: str
     phase: Phase = Phase.COMPUTING
     lease_expiry: float | None = None       # set once the KV is pinned
 
 
-@dataclass(frozen=True)
-class Computed:
+class Computed(msgspec.Struct, frozen=True):
     """The prompt is computed and its blocks pinned by the engine."""
     now: float
     lease_s: float
 
 
-@dataclass(frozen=True)
-class PromptFailed:
+class PromptFailed(msgspec.Struct, frozen=True):
     reason: str
 
 
-@dataclass(frozen=True)
-class Released:
+class Released(msgspec.Struct, frozen=True):
     """Decode read the KV, or will not (Release, /kv/release)."""
 
 
-@dataclass(frozen=True)
-class Renewed:
+class Renewed(msgspec.Struct, frozen=True):
     now: float
     lease_s: float
 
 
-@dataclass(frozen=True)
-class Tick:
+class Tick(msgspec.Struct, frozen=True):
     now: float
 
 
-@dataclass(frozen=True)
-class Cancelled:
+class Cancelled(msgspec.Struct, frozen=True):
     """The router gave up."""
 
 
@@ -66,7 +66,7 @@ def step(pin: Pin, event) -> tuple[Pin, list]:
     if phase is Phase.ENDED:
         return pin, []              # (a prompt computed after a cancel: the engine frees its blocks)
     if isinstance(event, Computed):
-        return replace(pin, phase=Phase.PINNED, lease_expiry=event.now + event.lease_s), []
+        return msgspec.structs.replace(pin, phase=Phase.PINNED, lease_expiry=event.now + event.lease_s), []
     if isinstance(event, PromptFailed) and phase is Phase.COMPUTING:
         return _end(pin, event.reason)
     if isinstance(event, Cancelled):
@@ -76,7 +76,7 @@ def step(pin: Pin, event) -> tuple[Pin, list]:
     if isinstance(event, Released):
         return _end(pin, "released", ReleaseBlocks())
     if isinstance(event, Renewed):
-        return replace(pin, lease_expiry=event.now + event.lease_s), []
+        return msgspec.structs.replace(pin, lease_expiry=event.now + event.lease_s), []
     if isinstance(event, Tick) and pin.lease_expiry <= event.now:
         pin, actions = _end(pin, "lease expired", ReleaseBlocks())
         return pin, [Count("lease_expiries"), Warn(f"handoff {pin.handoff_id}: lease expired, blocks freed"), *actions]
@@ -84,4 +84,4 @@ def step(pin: Pin, event) -> tuple[Pin, list]:
 
 
 def _end(pin: Pin, reason: str, *then) -> tuple[Pin, list]:
-    return replace(pin, phase=Phase.ENDED), [End(reason), *then]
+    return msgspec.structs.replace(pin, phase=Phase.ENDED), [End(reason), *then]

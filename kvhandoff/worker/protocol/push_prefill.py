@@ -17,11 +17,20 @@ only when more of the prompt was computed (push.py's docstring: the timing rule)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from enum import Enum, auto
 
+import msgspec
+
 from kvhandoff.wire import messages as M
-from kvhandoff.worker.protocol.actions import AbortPrompt, Count, End, Notify, Refuse, ReleaseBlocks, Warn
+from kvhandoff.worker.protocol.actions import (
+    AbortPrompt,
+    Count,
+    End,
+    Notify,
+    Refuse,
+    ReleaseBlocks,
+    Warn,
+)
 
 MOVED = "handoff_moved"     # the error code of a registration refused because the handoff moved on
 CANCELLED = "cancelled"     # a job's end when the router or the decode side gave up
@@ -42,8 +51,7 @@ class Phase(Enum):
         return self in (Phase.PROMPT, Phase.BOTH, Phase.COMPUTED, Phase.WRITING)
 
 
-@dataclass(frozen=True)
-class Job:
+class Job(msgspec.Struct, frozen=True):
     handoff_id: str
     arrival: float                          # when the job began waiting for its other half
     phase: Phase = Phase.OPEN
@@ -64,81 +72,68 @@ class Job:
 
 
 # ---- events ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PromptArrived:
+class PromptArrived(msgspec.Struct, frozen=True):
     prompt_hash: str
     layerwise: bool
 
 
-@dataclass(frozen=True)
-class Registered:
+class Registered(msgspec.Struct, frozen=True):
     """A decode worker's registration (already checked for well-formedness)."""
     registration: M.Registration
     peer: str
     now: float
 
 
-@dataclass(frozen=True)
-class Rebound:
+class Rebound(msgspec.Struct, frozen=True):
     binding: int
     now: float
 
 
-@dataclass(frozen=True)
-class Computed:
+class Computed(msgspec.Struct, frozen=True):
     """The prompt is computed and its blocks pinned."""
     now: float
     num_tokens: int
 
 
-@dataclass(frozen=True)
-class PromptFailed:
+class PromptFailed(msgspec.Struct, frozen=True):
     """The prompt failed or was refused before it started."""
     reason: str
 
 
-@dataclass(frozen=True)
-class Cancelled:
+class Cancelled(msgspec.Struct, frozen=True):
     """The router gave up (`by_peer` None), or a decode worker sent Cancel."""
     by_peer: str | None = None
 
 
-@dataclass(frozen=True)
-class PeerLost:
+class PeerLost(msgspec.Struct, frozen=True):
     peer: str
     reason: str
 
 
-@dataclass(frozen=True)
-class Renewed:
+class Renewed(msgspec.Struct, frozen=True):
     now: float
 
 
-@dataclass(frozen=True)
-class Tick:
+class Tick(msgspec.Struct, frozen=True):
     now: float
     computed_tokens: int        # of the prompt, by the engine so far
     timeout_s: float            # --kv-timeout-s
 
 
-@dataclass(frozen=True)
-class LayerComputed:
+class LayerComputed(msgspec.Struct, frozen=True):
     """Layer-wise: a layer of the prompt is computed; from now on layers go to the registration, if any."""
 
 
-@dataclass(frozen=True)
-class WriteEnded:
+class WriteEnded(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
 # ---- actions of its own ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StartWrite:
+class StartWrite(msgspec.Struct, frozen=True):
     """Hand the job to the writer thread: the final WRITE and Done."""
 
 
-@dataclass(frozen=True)
-class Finish:
+class Finish(msgspec.Struct, frozen=True):
     """Wake the prefill's answer: the job has ended."""
 
 
@@ -151,7 +146,7 @@ def _prompt_arrived(job: Job, event: PromptArrived) -> tuple[Job, list]:
     if job.phase not in (Phase.OPEN, Phase.REGISTERED):
         return job, []              # ended meanwhile: its end stands, the compute finds it
     phase = Phase.BOTH if job.phase is Phase.REGISTERED else Phase.PROMPT
-    return replace(job, phase=phase, prompt_hash=event.prompt_hash, layerwise=event.layerwise), []
+    return msgspec.structs.replace(job, phase=phase, prompt_hash=event.prompt_hash, layerwise=event.layerwise), []
 
 
 def _registered(job: Job, event: Registered) -> tuple[Job, list]:
@@ -165,11 +160,11 @@ def _registered(job: Job, event: Registered) -> tuple[Job, list]:
                             f"not {reg.binding})", code=MOVED)]
     if job.registration is not None:
         return job, [Refuse(f"handoff {job.handoff_id} is already registered")]
-    job = replace(job, registration=reg, peer=event.peer, layerwise=reg.mode.layerwise,
+    job = msgspec.structs.replace(job, registration=reg, peer=event.peer, layerwise=reg.mode.layerwise,
                   renewed_at=event.now, progress_at=event.now)
     if job.phase is Phase.COMPUTED:
-        return replace(job, phase=Phase.WRITING), [StartWrite()]
-    return replace(job, phase=Phase.BOTH if job.phase is Phase.PROMPT else Phase.REGISTERED), []
+        return msgspec.structs.replace(job, phase=Phase.WRITING), [StartWrite()]
+    return msgspec.structs.replace(job, phase=Phase.BOTH if job.phase is Phase.PROMPT else Phase.REGISTERED), []
 
 
 def _rebound(job: Job, event: Rebound) -> tuple[Job, list]:
@@ -182,7 +177,7 @@ def _rebound(job: Job, event: Rebound) -> tuple[Job, list]:
     phase = {Phase.REGISTERED: Phase.OPEN, Phase.BOTH: Phase.PROMPT}.get(job.phase, job.phase)
     withdrawn = [Notify(job.peer, M.Withdrawn(handoff_id=job.handoff_id))] if job.peer is not None else []
     # The new registration gets the full wait (Tick).
-    return replace(job, phase=phase, binding=event.binding, registration=None, peer=None, arrival=event.now), withdrawn
+    return msgspec.structs.replace(job, phase=phase, binding=event.binding, registration=None, peer=None, arrival=event.now), withdrawn
 
 
 def _computed(job: Job, event: Computed) -> tuple[Job, list]:
@@ -190,12 +185,12 @@ def _computed(job: Job, event: Computed) -> tuple[Job, list]:
         return job, []              # nobody will write these blocks: the engine frees them
     assert job.phase in (Phase.PROMPT, Phase.BOTH), job.phase
     if job.phase is Phase.PROMPT:
-        return replace(job, phase=Phase.COMPUTED), []
+        return msgspec.structs.replace(job, phase=Phase.COMPUTED), []
     # Progress is also checked as the prompt completes: its WRITE starts now and Tick skips started
     # jobs, so without it a prompt computed in one step late in the ttl left decode a sliver of its
     # deadline for the WRITE (a slow link's included) and it recomputed (issue 11, bug 4).
     job, actions = _keep_alive(job, event.now, event.num_tokens)
-    return replace(job, phase=Phase.WRITING), [*actions, StartWrite()]
+    return msgspec.structs.replace(job, phase=Phase.WRITING), [*actions, StartWrite()]
 
 
 def _prompt_failed(job: Job, event: PromptFailed) -> tuple[Job, list]:
@@ -218,7 +213,7 @@ def _peer_lost(job: Job, event: PeerLost) -> tuple[Job, list]:
 
 
 def _renewed(job: Job, event: Renewed) -> tuple[Job, list]:
-    return replace(job, renewed_at=event.now), []
+    return msgspec.structs.replace(job, renewed_at=event.now), []
 
 
 def _tick(job: Job, event: Tick) -> tuple[Job, list]:
@@ -234,21 +229,21 @@ def _tick(job: Job, event: Tick) -> tuple[Job, list]:
 
 
 def _layer_computed(job: Job, event: LayerComputed) -> tuple[Job, list]:
-    return (job if job.committed else replace(job, committed=job.registration is not None)), []
+    return (job if job.committed else msgspec.structs.replace(job, committed=job.registration is not None)), []
 
 
 def _write_ended(job: Job, event: WriteEnded) -> tuple[Job, list]:
     assert job.phase is Phase.WRITING, job.phase
     failed = [Count("failures"), Notify(job.peer, M.Failed(handoff_id=job.handoff_id, reason=event.error))] \
         if event.error else []
-    return replace(job, phase=Phase.ENDED, failed=event.error), \
+    return msgspec.structs.replace(job, phase=Phase.ENDED, failed=event.error), \
         [*failed, End(event.error or "written"), ReleaseBlocks(), Finish()]
 
 
 def _keep_alive(job: Job, now: float, computed: int) -> tuple[Job, list]:
     if job.registration is None or now - job.progress_at <= job.ttl_s / 3 or computed <= job.progress_tokens:
         return job, []
-    return replace(job, progress_at=now, progress_tokens=computed), \
+    return msgspec.structs.replace(job, progress_at=now, progress_tokens=computed), \
         [Notify(job.peer, M.Progress(handoff_id=job.handoff_id))]
 
 
@@ -266,7 +261,7 @@ def _end(job: Job, reason: str, status: int = 409, free: bool = False, release: 
         actions.append(ReleaseBlocks())
     elif free and job.phase.has_prompt:
         actions.append(AbortPrompt())
-    return replace(job, phase=Phase.ENDED, failed=reason), [*actions, Finish()]
+    return msgspec.structs.replace(job, phase=Phase.ENDED, failed=reason), [*actions, Finish()]
 
 
 _HANDLERS = {PromptArrived: _prompt_arrived, Registered: _registered, Rebound: _rebound, Computed: _computed,

@@ -11,8 +11,9 @@ engine's own eviction skips it (the driver keeps the engine's reader count in st
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from enum import Enum, auto
+
+import msgspec
 
 from kvhandoff.worker.protocol.actions import Count
 
@@ -24,8 +25,7 @@ class Phase(Enum):
     GONE = auto()
 
 
-@dataclass(frozen=True)
-class Turn:
+class Turn(msgspec.Struct, frozen=True):
     retention_id: str
     expiry: float                   # time.monotonic()
     readers: int = 0
@@ -37,46 +37,38 @@ class Turn:
         return self.phase in (Phase.KEPT, Phase.READ)
 
 
-@dataclass(frozen=True)
-class Leased:
+class Leased(msgspec.Struct, frozen=True):
     pass
 
 
-@dataclass(frozen=True)
-class Unleased:
+class Unleased(msgspec.Struct, frozen=True):
     pass
 
 
-@dataclass(frozen=True)
-class Released:
+class Released(msgspec.Struct, frozen=True):
     """Let it go: `why` is the counter it counts under (superseded, expiries, evictions), or None (the
     router said so: counted nowhere)."""
     why: str | None = None
 
 
-@dataclass(frozen=True)
-class Expire:
+class Expire(msgspec.Struct, frozen=True):
     now: float
 
 
-@dataclass(frozen=True)
-class Evicted:
+class Evicted(msgspec.Struct, frozen=True):
     """The engine needed the blocks for a request and took them (they are free already)."""
 
 
 # ---- actions of its own ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Forget:
+class Forget(msgspec.Struct, frozen=True):
     """Drop it from what the worker says it keeps (the map routers find it in; a KV event)."""
 
 
-@dataclass(frozen=True)
-class FreeBlocks:
+class FreeBlocks(msgspec.Struct, frozen=True):
     """Give its blocks back to the engine's pool."""
 
 
-@dataclass(frozen=True)
-class Refused:
+class Refused(msgspec.Struct, frozen=True):
     """A lease asked of a turn no longer held."""
 
 
@@ -85,17 +77,17 @@ def step(turn: Turn, event) -> tuple[Turn, list]:
     if phase is Phase.GONE:
         return turn, [Refused()] if isinstance(event, Leased) else []
     if isinstance(event, Leased):       # (a turn let go while read stays readable until its blocks go)
-        return replace(turn, readers=turn.readers + 1, phase=Phase.READ if phase is Phase.KEPT else phase), []
+        return msgspec.structs.replace(turn, readers=turn.readers + 1, phase=Phase.READ if phase is Phase.KEPT else phase), []
     if isinstance(event, Unleased):
         readers = max(0, turn.readers - 1)
         if readers > 0:
-            return replace(turn, readers=readers), []
+            return msgspec.structs.replace(turn, readers=readers), []
         if phase is Phase.RELEASING:        # released while it was being read
-            return replace(turn, readers=0, phase=Phase.GONE), [FreeBlocks()]
-        return replace(turn, readers=0, phase=Phase.KEPT), []
+            return msgspec.structs.replace(turn, readers=0, phase=Phase.GONE), [FreeBlocks()]
+        return msgspec.structs.replace(turn, readers=0, phase=Phase.KEPT), []
     if isinstance(event, Evicted):
         forget = [Forget()] if turn.held else []
-        return replace(turn, phase=Phase.GONE), [*forget, Count("evictions")]
+        return msgspec.structs.replace(turn, phase=Phase.GONE), [*forget, Count("evictions")]
     if isinstance(event, Expire) and (phase is not Phase.KEPT or event.now < turn.expiry):
         return turn, []             # (a turn being read expires after its read: the next round)
     why = "expiries" if isinstance(event, Expire) else event.why
@@ -103,5 +95,5 @@ def step(turn: Turn, event) -> tuple[Turn, list]:
         return turn, []
     counted = [Count(why)] if why else []
     if phase is Phase.READ:
-        return replace(turn, phase=Phase.RELEASING), [Forget(), *counted]
-    return replace(turn, phase=Phase.GONE), [Forget(), FreeBlocks(), *counted]
+        return msgspec.structs.replace(turn, phase=Phase.RELEASING), [Forget(), *counted]
+    return msgspec.structs.replace(turn, phase=Phase.GONE), [Forget(), FreeBlocks(), *counted]
