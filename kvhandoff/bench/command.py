@@ -118,9 +118,15 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
             point.server = None
         log(f"{label}: {len(items)} requests")
         pids = stack.pids() if stack is not None else []
-        before = cpu_seconds(pids)
         sampler = asyncio.ensure_future(sample_decode_load(client, url, point))
         try:
+            if stack is not None:       # what the stack spends with nothing in flight (health polls, this sampler)
+                idle_before = cpu_seconds(pids)
+                await asyncio.sleep(IDLE_SAMPLE_S)
+                idle_after = cpu_seconds(pids)
+                point.idle_cpu_s_per_s = {role: round((idle_after[role] - idle_before.get(role, 0.0)) / IDLE_SAMPLE_S, 4)
+                                          for role in idle_after}
+            before = cpu_seconds(pids)
             await run_point(client, point, model)
         finally:
             sampler.cancel()
@@ -129,6 +135,12 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
             point.cpu_s = {role: round(after[role] - before.get(role, 0.0), 3) for role in after}
         points.append(point)
     return points
+
+
+# How long a point's stack is watched idle first: the router's health polls (and the load sampler's)
+# cost CPU whether or not requests run, which divided by a handful of requests once read as 21 ms of
+# routing per request.
+IDLE_SAMPLE_S = 1.0
 
 
 async def sample_decode_load(client: aiohttp.ClientSession, url: str, point: Point, every_s: float = 0.5) -> None:

@@ -50,6 +50,7 @@ class Point:
     started_at: float = 0.0         # perf_counter when its first item was due
     server: dict | None = None      # the target's /health when the point started (what it was running)
     cpu_s: dict[str, float] | None = None   # a launched stack's CPU seconds per role over the point
+    idle_cpu_s_per_s: dict[str, float] | None = None   # ... and per second with nothing in flight, just before
     timeline: list = field(default_factory=list)    # (s, {decode worker: sequences}) sampled from the router
     retained: list = field(default_factory=list)    # (s, {decode worker: bytes of retained KV}), likewise
 
@@ -135,13 +136,29 @@ def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpo
                     "req_s": len(good) / point.wall_s if point.wall_s else None},
         "phases_ms": {p: s for p, s in phases.items() if s["n"]},
         "cpu_s": point.cpu_s,
-        # What routing costs: the router's CPU per request (its health polls included).
-        "router_cpu_ms_per_request": (1e3 * point.cpu_s["router"] / len(rows)
-                                      if point.cpu_s and "router" in point.cpu_s and rows else None),
+        # What routing costs: the router's CPU per request, less what it spends idle over as long
+        # (health polls), measured just before the point.
+        "router_cpu_ms_per_request": router_cpu_ms_per_request(point, len(rows)),
+        "idle_cpu_s_per_s": point.idle_cpu_s_per_s,
         "moved_late": sum(1 for r in ok if (r["handoff"] or {}).get("rebound_from")),
         "decode_imbalance": imbalance(point.timeline), "timeline": point.timeline,
         "retention": retention(point.retained, ok), "turns": turns(ok), "server": point.server,
     }
+
+
+def goodput_words(slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> str:
+    bounds = [f"{name} <= {value:g} ms" for name, value in (("TTFT", slo_ttft_ms), ("TPOT", slo_tpot_ms))
+              if value is not None]
+    if not bounds:
+        return "Goodput: no SLO was set (--slo-ttft-ms, --slo-tpot-ms), so it is the share of requests completed."
+    return f"Goodput: share of requests completed meeting {' and '.join(bounds)}."
+
+
+def router_cpu_ms_per_request(point: Point, requests: int) -> float | None:
+    if not point.cpu_s or "router" not in point.cpu_s or not requests:
+        return None
+    idle = (point.idle_cpu_s_per_s or {}).get("router", 0.0) * (point.wall_s or 0.0)
+    return 1e3 * max(0.0, point.cpu_s["router"] - idle) / requests
 
 
 def turns(rows: list[dict]) -> list[dict] | None:
@@ -233,7 +250,8 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
     costed = [s for s in summaries if s.get("cpu_s")]
     if costed:
         lines += ["", "CPU seconds per process role over each point (the stack's own processes), and what "
-                  "routing cost per request:", "",
+                  "routing cost per request (the router's CPU over the point less its idle rate, measured "
+                  "for a second just before, times the point's length):", "",
                   "| point | router ms/request | moved (late binding) | decode imbalance mean / p90 | CPU s by role |",
                   "|---|---|---|---|---|"]
         for s in costed:
@@ -268,9 +286,8 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
     if meta.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"[{name}]({name})" for name in meta["plots"])]
     slo = summaries[0]["goodput"] if summaries else {}
-    lines += ["", f"Times in ms as the client saw them (TTFT: request sent -> first streamed token). Goodput: "
-              f"share of requests meeting TTFT <= {slo.get('slo_ttft_ms')} ms and TPOT <= {slo.get('slo_tpot_ms')} ms "
-              "(None: no bound)."]
+    lines += ["", "Times in ms as the client saw them (TTFT: request sent -> first streamed token). "
+              + goodput_words(slo.get("slo_ttft_ms"), slo.get("slo_tpot_ms"))]
     return "\n".join(lines) + "\n"
 
 

@@ -79,12 +79,12 @@ def phase_plot(summaries: list[dict], path: Path) -> bool:
 
 
 def stacked_phases(labels: list[str], phases: list[dict], path: Path, xlabel: str, title: str,
-                   ttft_ms: list[float | None] | None = None) -> bool:
-    """One horizontal bar per label, its phases (ms) stacked in PHASES order, over a grey bar of the TTFT
-    where given (what the client saw: the phases plus HTTP, routing and tokenizing)."""
+                   client_ms: list[float | None] | None = None, client_label: str = "") -> bool:
+    """One horizontal bar per label, its phases (ms) stacked in PHASES order, over a grey bar of what
+    the client saw where given (`client_label`: the phases plus HTTP, routing and tokenizing)."""
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(labels) + 2.4))
-    if ttft_ms:
-        ax.barh(labels, [t or 0.0 for t in ttft_ms], color="0.85", label="TTFT (client)")
+    if client_ms:
+        ax.barh(labels, [t or 0.0 for t in client_ms], color="0.85", label=client_label)
     left = [0.0] * len(labels)
     for phase in PHASES:
         widths = [row.get(phase) or 0.0 for row in phases]

@@ -24,7 +24,7 @@ async def pull(attempt: Attempt) -> None:
     attempt.prefill = attempt.pick(Role.PREFILL)
     prefill = asyncio.ensure_future(attempt.run_prefill())
     attempt.decode_task = asyncio.ensure_future(_pull_decode(attempt, prefill))
-    await attempt.answerable()
+    await attempt.answerable(opened=attempt.prefill_opened)
 
 
 async def _pull_decode(attempt: Attempt, prefill: asyncio.Task):

@@ -63,9 +63,10 @@ class EngineDoor:
             raise
 
     async def compute(self, side, entry, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      remote_tokens: int = 0) -> RequestOutput:
-        """A prefill-only request, awaited (asyncio): its final output. Cancelling the await (the
-        router went away) does not abort it: the caller's cancel does."""
+                      remote_tokens: int = 0, on_submitted: Callable[[], None] = lambda: None) -> RequestOutput:
+        """A prefill-only request, awaited (asyncio): its final output. `on_submitted` runs once the
+        engine has taken it (nothing about the request can be refused any more). Cancelling the await
+        (the router went away) does not abort it: the caller's cancel does."""
         aio = asyncio.get_running_loop()
         done = aio.create_future()
 
@@ -74,6 +75,7 @@ class EngineDoor:
                 aio.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
         self.submit(side, entry, request_id, prompt_ids, params, on_output, prefill_only=True,
                     remote_tokens=remote_tokens)
+        on_submitted()
         return await done
 
     def abort(self, request_id: str) -> None:

@@ -80,45 +80,53 @@ class WorkerHandoff:
     async def prefill(self, kv: M.KVParams, prompt_ids: list[int], params: SamplingParams,
                       first_sse: Callable[[RequestOutput], str], started: float,
                       on_close: Callable[[], None]) -> Response:
-        """The prefill leg's answer, JSON lines: the first token the moment it is sampled
-        (messages.FirstToken: the router streams it to the client at once), then the handoff object
-        once the KV is pinned (pull) or written (push), or the error that ended the handoff. A
-        failure before the first token is an HTTP error status instead. `on_close` runs when the
-        answer is over, however it ends."""
+        """The prefill leg's answer, JSON lines. Its status line goes out as soon as the engine has
+        taken the prompt (as a colocated stream's does), so that when the first token is sampled only
+        its line crosses the wire (messages.FirstToken: the router streams it to the client at once);
+        then the handoff object once the KV is pinned (pull) or written (push), or the error that
+        ended the handoff. A refusal before the engine took the prompt is an HTTP error status
+        instead. `on_close` runs when the answer is over, however it ends."""
         aio = asyncio.get_running_loop()
         first: asyncio.Future[RequestOutput] = aio.create_future()
+        submitted: asyncio.Future[None] = aio.create_future()
         task = asyncio.ensure_future(self.handoff.prefill.of(kv.mode).prefill(
-            kv, prompt_ids, params, on_first=lambda out: first.done() or first.set_result(out)))
+            kv, prompt_ids, params, on_submitted=lambda: submitted.done() or submitted.set_result(None),
+            on_first=lambda out: first.done() or first.set_result(out)))
         streaming = False
         try:
-            await asyncio.wait({first, task}, return_when=asyncio.FIRST_COMPLETED)
-            if not first.done():
+            await asyncio.wait({submitted, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not submitted.done():
                 try:
                     task.result()
                 except HandoffError as exc:
                     raise api_error(exc) from None
-                raise AssertionError("a prefill answered without its first token")
-            out = first.result()
-            t = out.timings or {}
-            phases = {"prefill_queue": t.get("queue_ms"), "prefill_compute": t.get("prefill_ms"),
-                      "prefill_worker": round((time.perf_counter() - started) * 1e3, 3)}
-            token = M.FirstToken(token_id=out.new_token_ids[0], text=out.new_text, sse=first_sse(out), phases_ms=phases)
-            line = b'{"first_token":' + M.encode(token) + b'}\n'
-            response = StreamingAnswer(self._answer(line, task), "application/x-ndjson", on_close=on_close)
+                raise AssertionError("a prefill answered without computing its prompt")
+            response = StreamingAnswer(self._answer(first, task, first_sse, started), "application/x-ndjson",
+                                       on_close=on_close)
             streaming = True
             return response
         finally:
             if not streaming and not task.done():
                 task.cancel()           # the router left: the side frees what it holds
 
-    async def _answer(self, first_line: bytes, task: asyncio.Task) -> AsyncIterator[bytes]:
+    async def _answer(self, first: asyncio.Future, task: asyncio.Task, first_sse: Callable[[RequestOutput], str],
+                      started: float) -> AsyncIterator[bytes]:
         try:
-            yield first_line
+            await asyncio.wait({first, task}, return_when=asyncio.FIRST_COMPLETED)
+            if first.done():
+                out = first.result()
+                t = out.timings or {}
+                phases = {"prefill_queue": t.get("queue_ms"), "prefill_compute": t.get("prefill_ms"),
+                          "prefill_worker": round((time.perf_counter() - started) * 1e3, 3)}
+                token = M.FirstToken(token_id=out.new_token_ids[0], text=out.new_text, sse=first_sse(out),
+                                     phases_ms=phases)
+                yield b'{"first_token":' + M.encode(token) + b'}\n'
             try:
                 handoff = await task
             except HandoffError as exc:
                 yield M.encode({"error": api_error(exc).body()["error"], "status": exc.status}) + b"\n"
                 return
+            assert first.done(), "a prefill answered without its first token"
             self._observe(Role.PREFILL, handoff)
             yield M.encode({"handoff": handoff}) + b"\n"
         finally:

@@ -82,11 +82,11 @@ class PullPrefill(FetchingPrefill):
         return actions
 
     async def prefill(self, kv: M.PullPrefillParams, prompt_ids: list[int], params: SamplingParams,
-                      on_first: Callable[[RequestOutput], None]) -> dict:
+                      on_submitted: Callable[[], None], on_first: Callable[[RequestOutput], None]) -> dict:
         """Compute the prompt (its first token goes to `on_first` at once), pin its KV, answer the
         handoff object (the router's prefill leg)."""
         pin = self.table.add(kv.handoff_id, PullPin(kv.handoff_id))
-        out, reuse_report = await self.compute(pin, kv, prompt_ids, params)
+        out, reuse_report = await self.compute(pin, kv, prompt_ids, params, on_submitted)
         on_first(out)
         checksums = await self.chores.blocking(self.door.checksums, out.kv_block_ids)
         return M.PullHandoff(

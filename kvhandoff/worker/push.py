@@ -144,12 +144,12 @@ class PushPrefill(FetchingPrefill):
             assert kind is Refuse, action
 
     async def prefill(self, kv: M.PushPrefillParams, prompt_ids: list[int], params: SamplingParams,
-                      on_first: Callable[[RequestOutput], None]) -> dict:
+                      on_submitted: Callable[[], None], on_first: Callable[[RequestOutput], None]) -> dict:
         """Compute the prompt (its first token goes to `on_first` at once), wait for its WRITE (or its
         failure), answer (the router's prefill leg)."""
         job = self.table.get_or_add(kv.handoff_id, lambda: PushJob(kv.handoff_id))
         self.step(job, S.PromptArrived(M.prompt_hash(prompt_ids), kv.mode.layerwise))
-        out, reuse_report = await self.compute(job, kv, prompt_ids, params)
+        out, reuse_report = await self.compute(job, kv, prompt_ids, params, on_submitted)
         on_first(out)
         await self._wait(job)
         if job.state.failed:

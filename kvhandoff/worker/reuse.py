@@ -365,9 +365,10 @@ class FetchingPrefill:
         self.door, self.table, self.arrivals, self.peers, self.chores = door, table, arrivals, peers, chores
         self.counters, self.cfg, self.worker_name, self.reuse = counters, cfg, worker_name, reuse
 
-    async def compute(self, job, kv, prompt_ids: list[int], params: SamplingParams) -> tuple[RequestOutput, dict]:
+    async def compute(self, job, kv, prompt_ids: list[int], params: SamplingParams,
+                      on_submitted: Callable[[], None]) -> tuple[RequestOutput, dict]:
         """(the prefill-only request's final output, the reuse fields of the answer); HandoffError if
-        it did not complete."""
+        it did not complete. `on_submitted`: the engine took the prompt."""
         if self.reuse is None:
             job.fetch, decision = None, no_reuse(kv.reuse)
         else:
@@ -377,7 +378,8 @@ class FetchingPrefill:
             self.table.add(job.fetch.handoff_id, job.fetch)
             remote = job.fetch.num_kv_tokens
         try:
-            out = await self.door.compute(self, job, kv.handoff_id, prompt_ids, params, remote_tokens=remote)
+            out = await self.door.compute(self, job, kv.handoff_id, prompt_ids, params, remote_tokens=remote,
+                                          on_submitted=on_submitted)
         except ValueError as exc:
             self.fetch_ended(job)
             self.refused(kv.handoff_id, str(exc))
