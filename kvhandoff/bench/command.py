@@ -14,7 +14,7 @@ from kvhandoff.bench import workload as W
 from kvhandoff.bench.client import completion_body, get_json, open_session, random_text, stream_completion
 from kvhandoff.bench.harness import Point, run_meta, run_point, write_outputs
 from kvhandoff.bench.meta import log
-from kvhandoff.bench.stack import Stack, cpu_seconds, stop_on_signal
+from kvhandoff.bench.stack import Stack, cpu_seconds, process_role, stop_on_signal, thread_cpu_seconds
 from kvhandoff.wire.modes import STACK_MODES
 
 READ_TIMEOUT_S = 900.0
@@ -118,21 +118,23 @@ async def measure_target(client, args, url: str, mode: str, model: str, cal: dic
             point.server = None
         log(f"{label}: {len(items)} requests")
         pids = stack.pids() if stack is not None else []
+        routers = [pid for pid in pids if process_role(pid) == "router"]
+        router_cpu = lambda: sum(thread_cpu_seconds(pid) for pid in routers)
         sampler = asyncio.ensure_future(sample_decode_load(client, url, point))
         try:
-            if stack is not None:       # what the stack spends with nothing in flight (health polls, this sampler)
-                idle_before = cpu_seconds(pids)
+            if routers:         # what the router spends with nothing in flight (health polls, this sampler)
+                idle_before, idle_started = router_cpu(), time.perf_counter()
                 await asyncio.sleep(IDLE_SAMPLE_S)
-                idle_after = cpu_seconds(pids)
-                point.idle_cpu_s_per_s = {role: round((idle_after[role] - idle_before.get(role, 0.0)) / IDLE_SAMPLE_S, 4)
-                                          for role in idle_after}
-            before = cpu_seconds(pids)
+                point.router_idle_cpu_s_per_s = (router_cpu() - idle_before) / (time.perf_counter() - idle_started)
+            before, router_before = cpu_seconds(pids), router_cpu()
             await run_point(client, point, model)
         finally:
             sampler.cancel()
         if stack is not None:
             after = cpu_seconds(pids)
             point.cpu_s = {role: round(after[role] - before.get(role, 0.0), 3) for role in after}
+        if routers:
+            point.router_cpu_s = router_cpu() - router_before
         points.append(point)
     return points
 
@@ -155,6 +157,9 @@ async def sample_decode_load(client: aiohttp.ClientSession, url: str, point: Poi
         workers = [w for w in health.get("workers") or [] if w.get("role") == "decode"] if isinstance(health, dict) else []
         if not workers:
             return
+        if not point.started_at:            # (polling already while the stack's idle CPU is measured)
+            await asyncio.sleep(every_s)
+            continue
         at = round(time.perf_counter() - point.started_at, 3)
         point.timeline.append((at, {w["url"]: sum(int(w.get(k) or 0) for k in ("num_running", "num_waiting",
                                                                                  "num_waiting_for_kv")) for w in workers}))

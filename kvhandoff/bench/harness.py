@@ -50,7 +50,8 @@ class Point:
     started_at: float = 0.0         # perf_counter when its first item was due
     server: dict | None = None      # the target's /health when the point started (what it was running)
     cpu_s: dict[str, float] | None = None   # a launched stack's CPU seconds per role over the point
-    idle_cpu_s_per_s: dict[str, float] | None = None   # ... and per second with nothing in flight, just before
+    router_cpu_s: float | None = None       # its router's CPU over the point, to the ns (schedstat) ...
+    router_idle_cpu_s_per_s: float | None = None   # ... and per second with nothing in flight, just before
     timeline: list = field(default_factory=list)    # (s, {decode worker: sequences}) sampled from the router
     retained: list = field(default_factory=list)    # (s, {decode worker: bytes of retained KV}), likewise
 
@@ -139,7 +140,8 @@ def summarize(point: Point, rows: list[dict], slo_ttft_ms: float | None, slo_tpo
         # What routing costs: the router's CPU per request, less what it spends idle over as long
         # (health polls), measured just before the point.
         "router_cpu_ms_per_request": router_cpu_ms_per_request(point, len(rows)),
-        "idle_cpu_s_per_s": point.idle_cpu_s_per_s,
+        "router_idle_cpu_ms_per_s": (round(point.router_idle_cpu_s_per_s * 1e3, 3)
+                                     if point.router_idle_cpu_s_per_s is not None else None),
         "moved_late": sum(1 for r in ok if (r["handoff"] or {}).get("rebound_from")),
         "decode_imbalance": imbalance(point.timeline), "timeline": point.timeline,
         "retention": retention(point.retained, ok), "turns": turns(ok), "server": point.server,
@@ -155,10 +157,12 @@ def goodput_words(slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> str:
 
 
 def router_cpu_ms_per_request(point: Point, requests: int) -> float | None:
-    if not point.cpu_s or "router" not in point.cpu_s or not requests:
+    """The router's CPU over the point less what it spends idle over as long (health polls): what the
+    requests themselves cost it, each."""
+    if point.router_cpu_s is None or not requests:
         return None
-    idle = (point.idle_cpu_s_per_s or {}).get("router", 0.0) * (point.wall_s or 0.0)
-    return 1e3 * max(0.0, point.cpu_s["router"] - idle) / requests
+    idle = (point.router_idle_cpu_s_per_s or 0.0) * (point.wall_s or 0.0)
+    return 1e3 * max(0.0, point.router_cpu_s - idle) / requests
 
 
 def turns(rows: list[dict]) -> list[dict] | None:
@@ -250,8 +254,8 @@ def markdown(meta: dict, summaries: list[dict]) -> str:
     costed = [s for s in summaries if s.get("cpu_s")]
     if costed:
         lines += ["", "CPU seconds per process role over each point (the stack's own processes), and what "
-                  "routing cost per request (the router's CPU over the point less its idle rate, measured "
-                  "for a second just before, times the point's length):", "",
+                  "routing cost per request (the router's CPU over the point, less its idle rate measured "
+                  "for a second just before times the point's length, per request):", "",
                   "| point | router ms/request | moved (late binding) | decode imbalance mean / p90 | CPU s by role |",
                   "|---|---|---|---|---|"]
         for s in costed:

@@ -9,7 +9,9 @@ and again between the very buffers the transfers use; the sendmsg streams gather
 into one socket and receive them contiguously, from the target (pull, a READ's direction) and to it
 (push, a WRITE's): what a hand-written loopback transfer would reach. Measurements alternate within
 every repeat after a warm-up, each from cold caches, and ratios are medians of per-repeat ratios
-(MEASURING.md).
+(MEASURING.md). The table's second line says how much of the segments huge pages map: with 4 KiB
+pages (a /dev/shm without huge=) shm copies at ~0.7x a private memcpy on a VM, with huge pages
+(`--shm-dir` on a tmpfs mounted with huge=within_size) at memcpy speed (memory.py).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvhandoff.transfer.descriptors import DescList
-from kvhandoff.transfer.memory import SHM_DIR, open_segment
+from kvhandoff.transfer.memory import SHM_DIR, huge_page_share, open_segment, tmpfs_huge
 from kvhandoff.transfer.protocol import send_buffers, tune
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -194,6 +196,7 @@ def run(cfg: BenchConfig) -> dict:
                 for key, s in measure().items():
                     seconds.setdefault(key, []).append(s)
             stream.close()
+        pages = _pages(same, cfg.shm_dir)
         latency = {}
         for b, agent in agents.items():
             for op in ("read", "write"):
@@ -208,7 +211,17 @@ def run(cfg: BenchConfig) -> dict:
     load_after = os.getloadavg()
     report = _report(cfg, backends, skipped, seconds, latency, load_before, load_after)
     report["loadavg_by_block"] = loads
+    report["pages"] = pages
     return report
+
+
+def _pages(same, shm_dir: str) -> dict:
+    """How much of the buffers the transfers copy between huge pages map: 4 KiB pages copy at ~0.7x
+    huge-page memcpy on a VM, which is most of any gap in the x memcpy column (memory.py)."""
+    huge = tmpfs_huge(shm_dir)
+    return {"shm_dir_huge": huge,
+            "target_huge_share": huge_page_share(same[0]) if same else None,
+            "initiator_huge_share": huge_page_share(same[1]) if same else None}
 
 
 def _same_memory(agents: dict, shm_dir: str, segments: list) -> tuple[np.ndarray, np.ndarray] | None:
@@ -298,6 +311,7 @@ def format_table(report: dict) -> str:
              f"{report['config']['shm_dir']}, "
              f"commit {report['config']['git_commit']}, load avg before {report['loadavg_before']} "
              f"after {report['loadavg_after']}",
+             _pages_line(report.get("pages"), report["config"]["shm_dir"]),
              "x memcpy: against memcpy between private arrays; x same mem: against memcpy between the buffers "
              "the transfers use; x sendmsg: against a raw stream in the same direction (pull for read, push "
              "for write); ratios are medians of per-repeat ratios",
@@ -324,6 +338,16 @@ def format_table(report: dict) -> str:
     for name, why in report["skipped"].items():
         lines.append(f"{name}: skipped ({why})")
     return "\n".join(lines)
+
+
+def _pages_line(pages: dict | None, shm_dir: str) -> str:
+    if not pages:
+        return "shm segments: pages unknown"
+    pct = lambda x: "?" if x is None else f"{100 * x:.0f}%"
+    kind = {True: "a tmpfs with huge pages", False: "a tmpfs with 4 KiB pages: mount one with huge=within_size "
+            "and pass --shm-dir for memcpy speed", None: "not a tmpfs"}[pages["shm_dir_huge"]]
+    return (f"shm segments in {shm_dir} ({kind}): huge pages map {pct(pages['target_huge_share'])} of the "
+            f"target's region, {pct(pages['initiator_huge_share'])} of the initiator's")
 
 
 def _size(n: int) -> str:

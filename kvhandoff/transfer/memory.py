@@ -175,6 +175,46 @@ def open_segment(directory: str, name: str, dev_ino: tuple[int, int], min_bytes:
     return Segment(directory, name, st.st_size, array, tuple(dev_ino), owned=False)
 
 
+def tmpfs_huge(directory: str) -> bool | None:
+    """Whether files in `directory` get huge pages (from its mount's huge= option and the global
+    shmem_enabled); None when it is not a tmpfs."""
+    try:
+        dev = os.stat(directory).st_dev
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            shmem = re.search(r"\[(\w+)\]", f.read())[1]
+    except (OSError, TypeError):
+        return None
+    mine = [line.split(" - ", 1)[1].split() for line in lines
+            if line.split()[2] == f"{os.major(dev)}:{os.minor(dev)}" and " - " in line]
+    if not mine or mine[-1][0] != "tmpfs":
+        return None
+    if shmem in ("deny", "force"):
+        return shmem == "force"
+    opts = mine[-1][2].split(",") if len(mine[-1]) > 2 else []
+    return any(o in ("huge=always", "huge=within_size", "huge=advise") for o in opts)
+
+
+def huge_page_share(array: np.ndarray) -> float | None:
+    """The share of `array`'s mapping (resident part) that huge pages map, from /proc/self/smaps."""
+    addr, inside, rss, huge = array.ctypes.data, False, 0, 0
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                field = line.split(None, 2)
+                if not field[0].endswith(":"):
+                    lo, hi = (int(x, 16) for x in field[0].split("-"))
+                    inside = lo <= addr < hi
+                elif inside and field[0] == "Rss:":
+                    rss = int(field[1])
+                elif inside and field[0] in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+                    huge += int(field[1])
+    except OSError:
+        return None
+    return huge / rss if rss else None
+
+
 def _map(fd: int, nbytes: int) -> mmap.mmap:
     mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
