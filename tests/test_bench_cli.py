@@ -13,6 +13,7 @@ import httpx
 from kvhandoff.bench import workload as W
 from kvhandoff.bench.command import launch_spec
 from kvhandoff.bench.demo import Calibration
+from kvhandoff.bench.disagg import quartiles, verdict
 from kvhandoff.bench.harness import turns
 from kvhandoff.launch.netlink import LinkError, LinkSpec, check_available
 
@@ -45,6 +46,13 @@ def test_turn_table_reports_the_router_estimate_of_the_chosen_way():
     by_turn = {t["turn"]: t for t in turns(rows)}
     assert by_turn[2]["estimate_ratio"] == 1.2 and by_turn[1]["estimate_ratio"] == 0.5
     assert by_turn[2]["computed_tokens"] == 300 - 64 - 128 and by_turn[2]["choices"] == {"fetch": 3}
+
+
+def test_a_goal_missed_within_the_runs_noise_says_so():
+    spread = quartiles([0.95, 1.0, 1.05, 1.1, 0.98])
+    assert verdict({"met": False, "target": 1.02, "spread": spread}).startswith("NOT met, within noise")
+    assert verdict({"met": False, "target": 1.02, "spread": (1.1, 1.3)}) == "NOT met"
+    assert verdict({"met": True, "target": 1.02, "spread": spread}) == "met" and quartiles([1.0, 2.0]) is None
 
 
 def test_bench_a_running_server_by_url(tiny_server, tmp_path):
@@ -200,6 +208,11 @@ def test_demo_runs_every_mode(tmp_path):
     _, multi = outputs(out / "multiturn")
     assert [p["label"] for p in multi["points"]] == ["push", "push+bidirectional"]
     assert all(p["failed"] == 0 for p in multi["points"])
+    # Labels true: GiB-s of retained KV from the point's own samples, the router's CPU per request less
+    # its idle polls (measured), goodput without an SLO said in words.
+    assert multi["points"][1]["retention"]["gib_s"] >= 0, multi["points"][1]["retention"]
+    assert all(p["router_cpu_ms_per_request"] >= 0 and p["router_idle_cpu_ms_per_s"] > 0 for p in multi["points"])
+    assert "None" not in (out / "multiturn" / "summary.md").read_text().split("Goodput:")[1]
     assert "kvhandoff demo: done" in r.stdout and "ttft_per_turn.png" in r.stdout
     assert sorted(p.name for p in out.glob("*/*.png")) == ["isolated_phases.png", "phases.png", "retention.png",
                                                            "ttft_per_turn.png"]

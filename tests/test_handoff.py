@@ -368,3 +368,35 @@ def test_push_prompt_that_outlives_the_kv_timeout(tmp_path, reference, mode):
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_prefill_answer_opens_when_the_engine_takes_the_prompt(tmp_path):
+    """The prefill leg's status line goes out as soon as the engine has taken the prompt, so that at
+    the first token only its line crosses (docs/HANDOFF.md, "Pull and pull-reader"); what the engine
+    refuses (a token id outside the vocabulary) is still an HTTP status, not a line after a 200."""
+    prefill = ServerProcess([*COMMON, "--role", "prefill", "--max-num-batched-tokens", "64",
+                             "--inject-faults", "step_ms=150"], tmp_path / "prefill.log")
+    try:
+        kv = {"handoff_id": uuid.uuid4().hex, "mode": "pull", "role": "prefill", "protocol_version": PROTOCOL_VERSION}
+        started = time.perf_counter()
+        # 250 words prefill in several chunks of 64 tokens, each step 150 ms late: the answer has
+        # opened long before its first token.
+        with httpx.stream("POST", f"{prefill.url}/v1/completions", headers=HEADERS, timeout=60,
+                          json={**body(PROMPTS[3]), "kv_transfer_params": kv}) as r:
+            opened = time.perf_counter() - started
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+            lines = r.iter_lines()
+            first = next(lines)
+            first_at = time.perf_counter() - started
+            rest = list(lines)
+        assert '"first_token"' in first and any('"handoff"' in line for line in rest), (first, rest)
+        assert first_at - opened > 0.3, f"the answer opened {opened:.3f} s in, its first token {first_at:.3f} s in"
+        refused = httpx.post(f"{prefill.url}/v1/completions", headers=HEADERS, timeout=60,
+                             json={**body([10 ** 9]), "kv_transfer_params": {**kv, "handoff_id": uuid.uuid4().hex}})
+        assert refused.status_code == 400 and "error" in refused.json(), refused.text
+        release = httpx.post(f"{prefill.url}/kv/release", headers=HEADERS, json={"handoff_id": kv["handoff_id"]},
+                             timeout=10)
+        assert release.status_code == 200, release.text
+        assert wait_baseline(prefill)["num_free_blocks"] == 256
+    finally:
+        prefill.stop()

@@ -126,10 +126,13 @@ class FakeWorker:
                     phases |= {"handoff_wait": 3.0, "transfer": 4.0}
                     return {"handoff": {"handoff_id": hid, "prefill_worker": "fake-prefill", "num_kv_tokens": 2,
                                         "blocks": 1, "phases_ms": phases}}
-                return {"handoff": {"handoff_id": hid, "prefill_worker": "fake-prefill", "prompt_token_ids": [1, 2, 3],
-                                    "num_kv_tokens": 2, "block_ids": [0], "pool_blocks": 1, "checksums": [7],
-                                    "agent_metadata": "",
-                                    "lease_ms": 5000, "phases_ms": phases}}
+                handoff = {"handoff_id": hid, "prefill_worker": "fake-prefill", "prompt_token_ids": [1, 2, 3],
+                           "num_kv_tokens": 2, "block_ids": [0], "pool_blocks": 1, "checksums": [7],
+                           "agent_metadata": "", "lease_ms": 5000, "phases_ms": phases}
+                if "first_after" in fake:       # as a real worker: open at once, the first token when sampled
+                    return StreamingResponse(self.prefill_lines(handoff, fake["first_after"]),
+                                             media_type="application/x-ndjson")
+                return {"handoff": handoff}
             handoff = {"handoff_id": hid, "mode": kv.get("mode"), "decode_worker": "fake-decode",       # DecodeReport
                        "bytes_transferred": 4096, "blocks": 1, "decode_cached_tokens": 0, "kv_source": "remote",
                        "phases_ms": {"handoff_wait": 5.0, "transfer": 6.0, "decode_queue": 7.0, "first_step": 8.0}}
@@ -142,6 +145,14 @@ class FakeWorker:
                                               fake.get("break_after")), media_type="text/event-stream")
 
         return app
+
+    async def prefill_lines(self, handoff: dict, first_after: float):
+        await asyncio.sleep(first_after)
+        chunk = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "p0", "finish_reason": None}]}
+        first = {"token_id": 5, "text": "p0", "sse": f"data: {json.dumps(chunk)}\n\n",
+                 "phases_ms": {"prefill_queue": 1.0, "prefill_compute": 2.0, "prefill_worker": 3.0}}
+        yield json.dumps({"first_token": first}) + "\n"
+        yield json.dumps({"handoff": handoff}) + "\n"
 
     async def sse(self, hid, words, gap, handoff, break_after=None):
         done = False
@@ -304,6 +315,25 @@ def test_router_streams_as_it_arrives(routed):
     metrics = httpx.get(router.url + "/metrics", timeout=10).text
     assert f'kvhandoff_router_time_to_first_token_seconds_count{{mode="{mode}"}}' in metrics
     assert re.search(rf'kvhandoff_router_handoff_phase_seconds_count{{mode="{mode}",phase="transfer"}} [1-9]', metrics)
+
+
+def test_a_pull_stream_opens_when_the_prefill_answer_does(routed):
+    """Pull: the client's response opens once the prefill's answer has (the engine took the prompt),
+    as a colocated stream's does, so that at the first token only its event crosses the router."""
+    router, _, _, mode = routed
+    if mode != "pull":
+        pytest.skip("push opens with the decode worker's answer")
+    body = {"prompt": "hi", "stream": True, "fake": {"prefill": {"first_after": 1.0}, "decode": {"words": ["w1", "w2"]}}}
+    start = time.monotonic()
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=10) as r:
+        opened = time.monotonic() - start
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        first_at = time.monotonic() - start
+    assert opened < 0.6 <= first_at, f"opened {opened:.2f} s in, first token {first_at:.2f} s in"
+    # (this fake decode worker notes no events, so it streams only what follows the prefill's token)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and "".join(c["choices"][0]["text"] for c in chunks) == "p0w1w2", events
 
 
 def test_openai_client_through_the_router(routed):
