@@ -179,7 +179,7 @@ def test_a_cancel_racing_the_prompts_end_leaves_nothing_pinned(worker, mode):
         kv = params_cls(handoff_id=handoff_id, mode=mode, role="prefill", protocol_version=M.PROTOCOL_VERSION)
         prompt = [rng.randrange(10, 200) for _ in range(rng.randrange(8, 40))]
         task = asyncio.ensure_future(side.prefill(kv, prompt, SamplingParams(max_tokens=4, temperature=0),
-                                                  on_first=lambda out: None))
+                                                  on_submitted=lambda: None, on_first=lambda out: None))
         await asyncio.sleep(rng.random() * 0.03)
         handoff.cancel(handoff_id)
         await asyncio.wait({task})
