@@ -96,7 +96,7 @@ class Attempt:
     # answers the client from then on, as a colocated one does once its worker took the request, so
     # that when the first token comes only its event crosses the router (preparing the client's
     # response at that moment cost ~0.5 ms of TTFT).
-    prefill_opened: asyncio.Event = field(default_factory=asyncio.Event)
+    prefill_opened: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     prefill_sent_ms: float | None = None          # arrival -> the prefill leg sent
     first_received_ms: float | None = None        # arrival -> the prefill's first token here
     created: int = field(default_factory=P.now)   # every chunk's `created`, whichever worker makes it
@@ -149,25 +149,20 @@ class Attempt:
             self.first_token.set_result(None)
         self.first_token = asyncio.get_running_loop().create_future()
         self.first_relayed = asyncio.Event()
-        self.prefill_opened = asyncio.Event()
+        self.prefill_opened = asyncio.get_running_loop().create_future()
         self.prefill_sent_ms = self.first_received_ms = None
         self.phase = Phase.OPENING
 
-    async def answerable(self, opened: asyncio.Event | None = None) -> None:
+    async def answerable(self, opened: asyncio.Future | None = None) -> None:
         """Until the client can be answered: a stream once the first token is here (or, without one,
-        once the decode worker's answer opened, or `opened` is set), a whole answer once the decode
+        once the decode worker's answer opened, or `opened` is done), a whole answer once the decode
         answer opened. A leg that failed first raises."""
         if self.stream:
-            watched = {self.first_token, self.decode_task}
-            opening = asyncio.ensure_future(opened.wait()) if opened is not None else None
-            try:
-                await asyncio.wait(watched | ({opening} if opening else set()), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if opening is not None:
-                    opening.cancel()
+            watched = {self.first_token, self.decode_task} | ({opened} if opened is not None else set())
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
             if self.first_token.done() and self.first_token.result() is not None:
                 return
-            if opened is not None and opened.is_set() and not self.decode_task.done():
+            if opened is not None and opened.done() and not self.decode_task.done():
                 return
         await self.decode_task
 

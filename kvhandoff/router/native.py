@@ -51,7 +51,8 @@ class NativeAttempt(Attempt):
         try:
             self.prefill_sent_ms = self.ms()
             resp = await self.post(worker, self.worker_body(Role.PREFILL, **extra))
-            self.prefill_opened.set()
+            if not self.prefill_opened.done():
+                self.prefill_opened.set_result(None)
             if resp.content_type.startswith("application/x-ndjson"):
                 handoff = await self.read_prefill_lines(worker, resp)
             else:       # one JSON answer: a worker that sends no first token (the relay waits for decode's)
