@@ -62,7 +62,7 @@ GOAL_SLOW_TTFT_X = 1.02           # issue 46, slow prefill: every mode's TTFT <=
                                   # first token leaves with the prefill's answer: no transfer is on its path)
 GOAL_TTFT_DELTA_MS = 3.0          # issue 24: a disaggregated TTFT at most 3 ms over colocated-one-core's (p50) ...
 FAST_PREFILL_MS = 100.0           # ... where the prefill is fast (colocated TTFT under this); on a slower one,
-                                  # pull within its own transfer of colocated (the tiny model and SmolLM2 on CPU)
+                                  # GOAL_SLOW_TTFT_X (the tiny model and SmolLM2 on CPU)
 GOAL_ACCOUNTED = 0.95             # issue 24: the first token's phases add up to the client's TTFT within 5%
 GOAL_LINK_TTFT_X = 1.05           # issue 14: push-layerwise TTFT behind a slow link <= 1.05x its free-link TTFT
 FREE = "free"                     # --links: no emulated link (shared memory on one host)
@@ -182,6 +182,7 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
             mine = [s for s in samples if s.stack == name and s.target_len == length and s.result.ok]
             base = {s.round: s for s in samples if s.stack == BASELINE_1CORE and s.target_len == length and s.result.ok}
             ttft_x = [s.result.ttft_ms / base[s.round].result.ttft_ms for s in mine if s.round in base]
+            ttft_delta = [s.result.ttft_ms - base[s.round].result.ttft_ms for s in mine if s.round in base]
             tpot_x = [s.result.tpot_ms / base[s.round].result.tpot_ms for s in mine
                       if s.round in base and s.result.tpot_ms and base[s.round].result.tpot_ms]
             step_x = [step_ms(s.result) / step_ms(base[s.round].result) for s in mine
@@ -200,11 +201,10 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
                 # the spread of the per-round figures a goal is judged on (quartiles): a goal missed by
                 # less than this run's round-to-round spread is missed within its noise
                 "ttft_x_quartiles": quartiles(ttft_x), "step_x_quartiles": quartiles(step_x),
-                "ttft_delta_quartiles": quartiles([s.result.ttft_ms - base[s.round].result.ttft_ms
-                                                   for s in mine if s.round in base]),
+                "ttft_delta_quartiles": quartiles(ttft_delta),
                 # what the handoff adds to the client's TTFT (median of per-round differences), how long
                 # the second token follows the first, and how much of the TTFT the phases account for
-                "ttft_delta_ms": med([s.result.ttft_ms - base[s.round].result.ttft_ms for s in mine if s.round in base]),
+                "ttft_delta_ms": med(ttft_delta),
                 "second_token_ms": med([s.result.token_times_ms[1] - s.result.token_times_ms[0] for s in mine
                                         if len(s.result.token_times_ms) > 1]),
                 "first_from_prefill": f"{sum((s.result.handoff or {}).get('first_token_source') == 'prefill' for s in mine)}"
