@@ -53,6 +53,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="a stream whose decode worker fails (dies, breaks off, errs) after the client has tokens "
                         "continues on another decode worker from the tokens sent, at most N times; 0 = never: it "
                         "ends with an error event (default: %(default)s)")
+    p.add_argument("--http-legs", action="store_true",
+                   help="send every leg to the workers as an HTTP request, not over the persistent channel each "
+                        "of ours offers in its /health (kvhandoff/wire/channel.py): to compare, or across a proxy "
+                        "that passes only HTTP")
     p.add_argument("--forget-joined-after-s", type=float, default=30.0, metavar="S",
                    help="a worker that joined by itself (serve --join) and has not answered a health poll for S "
                         "seconds is drained from the pool; it joins again if it comes back (default: %(default)s)")
@@ -229,7 +233,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 membership = Membership(routers, args.role, advertised_url(args.host, bound, args.advertise_url),
                                         config.secret)
                 membership.start()
-        serve_forever(worker.app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+        serve_forever(worker.app, args.host, args.port, log_level=args.log_level, on_ready=ready,
+                      channel_secret=config.secret)
     except KeyboardInterrupt:
         pass
     finally:
@@ -329,7 +334,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                               bidirectional=args.bidirectional, decode_policy=args.decode_policy,
                               prefill_policy=args.prefill_policy, disagg_min_tokens=args.disagg_min_tokens,
                               late_binding=args.late_binding, migration_limit=args.migration_limit,
-                              forget_joined_after_s=args.forget_joined_after_s,
+                              forget_joined_after_s=args.forget_joined_after_s, worker_channels=not args.http_legs,
                               shared_sessions=args.shared_sessions, engine=args.engine,
                               retention_ttl=args.retention_ttl)
     except ValueError as e:
@@ -413,6 +418,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         router_args = (["--retry-colocated"] if args.retry_colocated else []) + \
                       (["--bidirectional"] if args.bidirectional else []) + \
                       (["--late-binding"] if args.late_binding else []) + \
+                      (["--http-legs"] if args.http_legs else []) + \
                       ["--decode-policy", args.decode_policy, "--prefill-policy", args.prefill_policy,
                        "--disagg-min-tokens", str(args.disagg_min_tokens), "--health-interval", str(args.health_interval),
                        "--migration-limit", str(args.migration_limit),

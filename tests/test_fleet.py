@@ -517,6 +517,10 @@ def test_a_stream_outlives_its_decode_worker(tmp_path, reference, migration_limi
             assert on_survivor >= 1 and on_victim >= 1, (on_survivor, on_victim)
             metrics = httpx.get(stack.url + "/metrics", timeout=10).text
             assert f'kvhandoff_router_migrations_total{{mode="push"}} {float(on_victim)}' in metrics
+            # Those legs went over the workers' persistent channels (wire/channel.py), not HTTP: a prefill
+            # and a decode leg per stream, one more per migration.
+            sent = re.search(r'kvhandoff_router_legs_total\{transport="channel"\} (\S+)', metrics)
+            assert sent and float(sent[1]) >= 2 * len(PROMPTS) + on_victim, metrics
         else:
             ended = [(text, error) for (_, text, error, _), expected in zip(results, reference[TOKENS])
                      if error is not None and expected.startswith(text)]

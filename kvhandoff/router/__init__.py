@@ -4,7 +4,8 @@ subscribes, kv_index.py indexes) and the prompt as the workers tokenize it (prom
 of a request: its state and end (attempt.py) and what it says to each engine's workers (native.py:
 ours; vllm.py: vLLM's), the router's leg of each protocol (legs.py, shared by both engines), the SSE
 relay with migration (relay.py), retries (retry.py), the session map of bidirectional reuse
-(sessions.py; vllm_sessions.py for vLLM's), the client to its workers (upstream.py), the admin
+(sessions.py; vllm_sessions.py for vLLM's), the client to its workers (upstream.py: over each one's
+persistent channel, channel.py, or HTTP; answer.py is what comes back either way), the admin
 endpoints (admin.py) and the app that ties them (app.py). It imports kvhandoff.wire and, to tokenize
 and hash prompts bit for bit as the workers do, two torch-free modules of theirs (model/tokenizer.py,
 engine/block_pool.py): never the worker stack, the engine loop or torch (tests/test_router.py checks)."""

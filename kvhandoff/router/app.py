@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhandoff.router import admin, legs
+from kvhandoff.router.answer import UpstreamError
 from kvhandoff.router.attempt import Attempt, Phase, rewrite_final
 from kvhandoff.router.errors import Relay, deadline_error, describe
 from kvhandoff.router.kv_feed import Feeds
@@ -34,12 +35,12 @@ from kvhandoff.router.prompts import Prompts
 from kvhandoff.router.relay import relay_events
 from kvhandoff.router.retry import retry_elsewhere
 from kvhandoff.router.sessions import Sessions
-from kvhandoff.router.upstream import Upstream, UpstreamError
+from kvhandoff.router.upstream import Upstream
 from kvhandoff.router.vllm import VllmAttempt, VllmState
 from kvhandoff.router.vllm_sessions import VllmSessions
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
-from kvhandoff.wire.auth import control_headers
+from kvhandoff.wire.auth import control_headers, control_token
 from kvhandoff.wire.http import (CHAT, COMPLETIONS, CONTENT_TYPE, LATENCY_BUCKETS, SSEResponse, read_json_object,
                                   wait_disconnect)
 from kvhandoff.wire.modes import Engine, Mode, Role
@@ -84,6 +85,9 @@ class RouterConfig:
     # A worker that joined by itself (`serve --join`) and has not answered a health poll for this long
     # died without leaving: it is drained from the pool (it joins again if it comes back).
     forget_joined_after_s: float = 30.0
+    # Legs to a worker that offers a persistent channel (its /health's channel_port; wire/channel.py) go
+    # over it; off: every leg is an HTTP request.
+    worker_channels: bool = True
     # What the workers are (router/vllm.py for vLLM's), and how long vLLM decode workers keep a turn's KV
     # (their decoder_kv_blocks_ttl; bidirectional).
     engine: Engine = Engine.KVHANDOFF
@@ -145,6 +149,8 @@ class RouterMetrics:
         self.vllm_reuse = Counter("kvhandoff_router_vllm_reuse", "--engine vllm --bidirectional: turns kept by a "
                                   "decode worker, and later turns whose history was fetched or recomputed "
                                   "(edited, expired, on a dead worker)", ["outcome"], registry=r)
+        self.legs = Counter("kvhandoff_router_legs", "Requests sent to workers (legs, health polls, control "
+                            "messages), by how: over a worker's persistent channel, or as HTTP", ["transport"], registry=r)
         self.in_flight = Gauge("kvhandoff_router_worker_in_flight", "Requests in flight per worker",
                                ["role", "worker"], registry=r)
         self.asked = Counter("kvhandoff_router_asked", "Lookups asked of a worker on a request's path (/kv/prompt, "
@@ -197,7 +203,7 @@ class Router:
                                forget_joined_after_s=config.forget_joined_after_s, on_polled=self.polled)
         self.leg = legs.pull if self.mode.is_pull else legs.push
         self.auth = control_headers(config.secret)
-        self.upstream: Upstream | None = None           # HTTP to the workers (upstream.py)
+        self.upstream: Upstream | None = None           # legs to the workers (upstream.py)
         self.background: set[asyncio.Task] = set()   # health polls, control messages, stream cleanups
         self.num_in_flight = 0                        # client requests not finished yet
         if config.engine is Engine.VLLM:
@@ -214,7 +220,8 @@ class Router:
     async def start(self) -> None:
         # No read timeout: a long prefill or a long generation is not a failure; the request deadline
         # (config.request_timeout) bounds everything instead.
-        self.upstream = Upstream(self.config.connect_timeout, self.auth)
+        self.upstream = Upstream(self.config.connect_timeout, self.auth, control_token(self.config.secret),
+                                 channels=self.config.worker_channels, sent=self.metrics.legs)
         if self.config.health_interval > 0:
             self.spawn(self.pool.poll(self.upstream, self.config.health_interval))
 
@@ -227,7 +234,14 @@ class Router:
 
     def polled(self, worker: Worker, reachable: bool) -> None:
         """After a worker's /health poll: follow its KV events (again, if it restarted), fetch its
-        tokenizer once; a worker that left or cannot be reached is forgotten."""
+        tokenizer once, use the channel it offers; a worker that left or cannot be reached is forgotten
+        (its channel only once it left: a slow poll must not break its legs)."""
+        if self.upstream is None:
+            return
+        if reachable:
+            self.upstream.offer(worker.url, worker.last_health.get("channel_port"))
+        elif self.pool.find(worker.url) is not worker:
+            self.upstream.drop(worker.url)
         if self.config.engine is Engine.VLLM:
             return
         if not reachable:

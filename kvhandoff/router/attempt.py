@@ -25,12 +25,13 @@ import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvhandoff.router.answer import Answer, Unreachable, UpstreamError
 from kvhandoff.router.errors import (Relay, WorkerFailure, error_json, failure_message, refused,
                                            status_of, task_outcome, worker_failure)
 from kvhandoff.router.pool import Worker
 from kvhandoff.router.prefix import PromptFacts
 from kvhandoff.router.sessions import SessionEntry
-from kvhandoff.router.upstream import Answer, Unreachable, UpstreamError, sse_events
+from kvhandoff.router.upstream import sse_events
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.modes import Role

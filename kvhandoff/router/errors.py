@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from kvhandoff.router.upstream import Answer, Unreachable, UpstreamError
+from kvhandoff.router.answer import Answer, Unreachable, UpstreamError
 from kvhandoff.wire import api as P
 from kvhandoff.wire.http import describe
 

@@ -10,11 +10,11 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from kvhandoff.router.answer import Answer, UpstreamError
 from kvhandoff.router.attempt import Attempt
 from kvhandoff.router.errors import Relay, WorkerFailure, describe, task_outcome, worker_failure
 from kvhandoff.router.policies import PrefillPolicy, late_binding_target, reuse_estimate, reuse_shortlist
 from kvhandoff.router.pool import Worker
-from kvhandoff.router.upstream import Answer, UpstreamError
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.cost import REUSE_FLOOR_TOKENS, common_prefix_blocks
 from kvhandoff.wire.modes import Role

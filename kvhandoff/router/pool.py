@@ -11,10 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvhandoff.router.answer import UpstreamError
 from kvhandoff.router.errors import describe
 from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, ranking
 from kvhandoff.router.prefix import PrefixIndex, PromptFacts
-from kvhandoff.router.upstream import Upstream, UpstreamError
+from kvhandoff.router.upstream import Upstream
 from kvhandoff.wire.modes import ROLES, Role
 
 log = logging.getLogger("kvhandoff.router")
@@ -208,12 +209,12 @@ class WorkerPool:
 
     def _drop(self, worker: Worker) -> None:
         self.prefix.forget(worker.url)
-        self.on_polled(worker, False)
         workers = self.of(worker.role)
         if worker in workers:
             workers.remove(worker)
         if self.by_url.get(worker.url) is worker:
             del self.by_url[worker.url]
+        self.on_polled(worker, False)       # (out of the pool first: that is how it tells leaving from a failed poll)
 
     # -- health -----------------------------------------------------------------------------------
     async def check(self, upstream: Upstream, worker: Worker) -> dict:

@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvhandoff.router.upstream import UpstreamError
+from kvhandoff.router.answer import UpstreamError
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.modes import Role
 

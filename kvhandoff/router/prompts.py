@@ -17,8 +17,9 @@ from pydantic import ValidationError
 
 from kvhandoff.engine.block_pool import hash_chain
 from kvhandoff.model.tokenizer import Tokenizer
+from kvhandoff.router.answer import UpstreamError
 from kvhandoff.router.prefix import PromptFacts
-from kvhandoff.router.upstream import Upstream, UpstreamError
+from kvhandoff.router.upstream import Upstream
 from kvhandoff.wire import api as P
 from kvhandoff.wire.http import CHAT
 

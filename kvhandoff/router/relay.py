@@ -20,10 +20,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
+from kvhandoff.router.answer import UpstreamError
 from kvhandoff.router.attempt import Attempt, Phase, rewrite_final
 from kvhandoff.router.errors import Relay, WorkerFailure, deadline_error, failure_message, stream_error, worker_failure
 from kvhandoff.router.retry import retry_elsewhere
-from kvhandoff.router.upstream import UpstreamError, data_json
+from kvhandoff.router.upstream import data_json
 from kvhandoff.wire import api as P
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.http import sse_event

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvhandoff.router.upstream import UpstreamError
+from kvhandoff.router.answer import UpstreamError
 from kvhandoff.wire import kv_events as E
 from kvhandoff.wire import messages as M
 from kvhandoff.wire.cost import common_prefix_blocks

@@ -1,47 +1,35 @@
-"""The router's HTTP to its workers: aiohttp, on kept-alive connections, parsed in C; and the SSE events of a
-streamed answer, read as they arrive.
+"""The router's connections to its workers: every leg goes over the worker's persistent channel
+(channel.py, wire/channel.py) once its /health has named one, else over HTTP (aiohttp, kept-alive
+connections, parsed in C); and the SSE events of a streamed answer, read as they arrive.
 
-Chosen by measurement (issue 24): a streamed POST whose answer's first line is read, from a kept-alive
+Chosen by measurement. Issue 24: a streamed POST whose answer's first line is read, from a kept-alive
 client to a uvicorn worker on this machine, took 2.5-2.8 ms with httpx and 0.6 ms with aiohttp (h11
 worker; 1.9-2.1 against 0.5 ms with httptools), and the router makes two or three of them per
-request, each on the first token's critical path. A persistent binary channel instead (issue 46),
-measured the same way on a 2-core Zen 4 (a ~1 KB body, one line back, 2,000 round trips, p50): this
-path 0.48-0.55 ms, length-prefixed msgpack frames over one kept asyncio connection into the same
-FastAPI app 0.31 ms, the frames alone 0.17 ms: not built yet. The rest of the router sees only this module:
-`Upstream.open` returns an `Answer` (status line read, body not), and every failure is one of two
-errors: `Unreachable` (the worker never saw the request) or `Broken` (it failed or hung up mid-answer).
+request, each on the first token's critical path. Issue 46, the same way on a 2-core Zen 4 (a ~1 KB
+body, one line back, 2,000 round trips, p50): this HTTP path 0.48-0.55 ms, length-prefixed msgpack
+frames over one kept connection into the same FastAPI app 0.31 ms, the frames alone 0.17 ms. The rest
+of the router sees only `Upstream.open`, which returns an `Answer` (answer.py) either way, and its two
+errors, `Unreachable` and `Broken`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from typing import AsyncIterator
 
 import aiohttp
 import msgspec
 
-# A line of a worker's answer may carry a whole prompt's token ids (a pull handoff object, a
-# stream's prompt_token_ids): readline's buffer must hold it.
-READ_BUFFER = 1 << 22
+from kvhandoff.router.answer import READ_BUFFER, Answer, Broken, Unreachable, describe
+from kvhandoff.router.channel import Channel, ChannelRefused
+
+log = logging.getLogger("kvhandoff.router")
+CHANNEL_RETRY_S = 5.0       # after a channel failed to connect, its worker's legs go over HTTP this long
 
 
-class UpstreamError(Exception):
-    pass
-
-
-class Unreachable(UpstreamError):
-    """The worker could not be reached (refused, timed out connecting): it never saw the request."""
-
-
-class Broken(UpstreamError):
-    """The worker's answer failed midway (it died, hung up, or took longer than allowed)."""
-
-
-class Answer:
-    """One worker answer, its body unread: read it whole, or line by line; `close()` hangs up on a
-    half-read one (which is how a worker learns nobody listens any more) and returns a read one's
-    connection to the pool."""
-
+class HttpAnswer(Answer):
     def __init__(self, resp: aiohttp.ClientResponse):
         self._resp = resp
         self.status = resp.status
@@ -55,7 +43,6 @@ class Answer:
             raise Broken(describe(e)) from None
 
     async def lines(self) -> AsyncIterator[bytes]:
-        """Each line as it arrives, with its line end; ends with the answer."""
         content = self._resp.content
         try:
             while line := await content.readline():
@@ -71,7 +58,16 @@ class Answer:
 
 
 class Upstream:
-    def __init__(self, connect_timeout: float, headers: dict):
+    def __init__(self, connect_timeout: float, headers: dict, token: str | None = None, channels: bool = True,
+                 sent=None):
+        """`headers`: sent with every HTTP request (the control token's); `token`: the control token a
+        channel authenticates with (None, or `channels` False: every leg over HTTP); `sent`: a counter
+        labelled by transport, of what went which way."""
+        self.connect_timeout, self.token = connect_timeout, token if channels else None
+        self.sent = {transport: sent.labels(transport) for transport in ("channel", "http")} if sent is not None else None
+        self.channel_ports: dict[str, tuple[str, int]] = {}       # worker URL -> where its channel listens
+        self.channels: dict[str, asyncio.Future] = {}              # worker URL -> its Channel (connecting or up)
+        self.channel_failed: dict[str, float] = {}                 # worker URL -> when its channel last failed
         # No pool cap: in-flight requests are bounded by the workers' queues, and a router that queued
         # on its own pool would hide load from them. Idle connections are dropped well before the
         # workers would close them (wire.http.SERVER_KEEP_ALIVE_S).
@@ -84,6 +80,18 @@ class Upstream:
                    headers: dict | None = None) -> Answer:
         """Send a request; returns its answer with the status line read. No read timeout unless
         given: a long prefill or generation is not a failure (the router's deadline bounds them)."""
+        path_at = url.find("/", url.find("//") + 2)
+        base = url[:path_at] if path_at >= 0 else url
+        channel = await self.channel(base) if base in self.channel_ports else None
+        if channel is not None:
+            payload = msgspec.json.encode(body) if body is not None else b""
+            fields = [["content-type", "application/json"]] if body is not None else []
+            fields += [[name, value] for name, value in (headers or {}).items()]
+            if self.sent is not None:
+                self.sent["channel"].inc()
+            return await channel.open(method, url[len(base):], fields, payload, timeout)
+        if self.sent is not None:
+            self.sent["http"].inc()
         options: dict = {}
         if body is not None:
             options.update(data=msgspec.json.encode(body), headers={"content-type": "application/json", **(headers or {})})
@@ -95,7 +103,7 @@ class Upstream:
             raise Unreachable(describe(e)) from None
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise Broken(describe(e)) from None
-        return Answer(resp)
+        return HttpAnswer(resp)
 
     async def call(self, method: str, url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, object]:
         """A whole short exchange (health, control messages): (status, JSON body, or None if it is
@@ -110,14 +118,54 @@ class Upstream:
         except msgspec.DecodeError:
             return answer.status, None
 
+    # -- channels ---------------------------------------------------------------------------------
+    def offer(self, url: str, port: object) -> None:
+        """What a worker's /health said of its channel (`channel_port`, or nothing): use it from now
+        on; a new port (the worker restarted) replaces the old connection."""
+        if self.token is None:
+            return
+        where = (url.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]"), port) if isinstance(port, int) else None
+        if self.channel_ports.get(url) == where:
+            return
+        self.drop(url)
+        self.channel_failed.pop(url, None)          # (a new port is tried at once)
+        if where is not None:
+            self.channel_ports[url] = where
+
+    def drop(self, url: str) -> None:
+        """Forget `url`'s channel (it left the pool, or stopped offering one): its open legs break."""
+        self.channel_ports.pop(url, None)
+        connecting = self.channels.pop(url, None)
+        if connecting is not None:
+            connecting.add_done_callback(lambda done: _connected(done) and done.result().close())
+
+    async def channel(self, url: str) -> Channel | None:
+        """`url`'s channel, connected once and kept; None (its legs go over HTTP) while it cannot be."""
+        connecting = self.channels.get(url)
+        if connecting is None or (connecting.done() and not (_connected(connecting) and not connecting.result().closed)):
+            if time.monotonic() - self.channel_failed.get(url, -CHANNEL_RETRY_S) < CHANNEL_RETRY_S:
+                return None
+            host, port = self.channel_ports[url]
+            connecting = self.channels[url] = asyncio.ensure_future(
+                Channel.connect(host, port, self.token, self.connect_timeout))
+        try:
+            return await asyncio.shield(connecting)
+        except (OSError, asyncio.TimeoutError, ChannelRefused) as e:
+            if self.channels.get(url) is connecting:        # (the first of its waiters to hear it)
+                del self.channels[url]
+                self.channel_failed[url] = time.monotonic()
+                log.warning("%s: its channel (port %s) failed: %s; its legs go over HTTP for %.0f s", url,
+                            self.channel_ports.get(url, ("", "?"))[1], describe(e), CHANNEL_RETRY_S)
+            return None
+
     async def close(self) -> None:
+        for url in list(self.channel_ports):
+            self.drop(url)
         await self.session.close()
 
 
-def describe(e: BaseException) -> str:
-    if isinstance(e, asyncio.TimeoutError):
-        return "timed out"
-    return str(e) or type(e).__name__
+def _connected(connecting: asyncio.Future) -> bool:
+    return connecting.done() and not connecting.cancelled() and connecting.exception() is None
 
 
 async def sse_events(resp: Answer) -> AsyncIterator[list[str]]:

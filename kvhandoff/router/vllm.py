@@ -31,10 +31,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from kvhandoff.router.answer import Answer, UpstreamError
 from kvhandoff.router.attempt import Attempt, timings_of
 from kvhandoff.router.errors import WorkerFailure, worker_failure
 from kvhandoff.router.pool import Worker
-from kvhandoff.router.upstream import Answer, UpstreamError, data_json, sse_events
+from kvhandoff.router.upstream import data_json, sse_events
 from kvhandoff.router.vllm_sessions import VllmSessionEntry
 from kvhandoff.wire import messages as M
 from kvhandoff.wire import vllm as V

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvhandoff.router.upstream import UpstreamError
+from kvhandoff.router.answer import UpstreamError
 from kvhandoff.wire import vllm as V
 from kvhandoff.wire.cost import REUSE_FLOOR_TOKENS
 from kvhandoff.wire.http import CHAT, COMPLETIONS

@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from kvhandoff.wire import api as P
+from kvhandoff.wire.channel import ChannelServer
 
 # 1 ms .. 60 s: TPOT on a fast GPU is a few ms, a long CPU prefill under load can take tens of seconds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -154,21 +155,31 @@ def listener(host: str, port: int, shared: bool = False) -> socket.socket:
 
 
 def serve_forever(app: FastAPI, host: str, port: int, *, log_level: str = "info",
-                  on_ready: Callable[[str], None] | None = None, shared_port: int | None = None) -> None:
+                  on_ready: Callable[[str], None] | None = None, shared_port: int | None = None,
+                  channel_secret: bytes | None = None) -> None:
     """Run uvicorn in this thread until SIGINT/SIGTERM. On shutdown, in-flight generations are
     aborted first so open streams end at once instead of holding shutdown hostage. `shared_port`:
-    listen there too, shared with other processes (listener); `on_ready` gets the own port's URL."""
+    listen there too, shared with other processes (listener); `on_ready` gets the own port's URL.
+    `channel_secret`: also serve the app on a persistent channel (wire/channel.py) to routers holding
+    this deployment's control token, on a free port of `host` that /health names (app.state.channel_port)."""
     import uvicorn
+
+    channel = ChannelServer(app, channel_secret) if channel_secret else None
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets)
+            if self.started and channel is not None:
+                # (the address uvicorn bound: "localhost" may name two, which port 0 would split)
+                app.state.channel_port = await channel.start(self.servers[0].sockets[0].getsockname()[0])
             if self.started and on_ready:
                 sock = self.servers[0].sockets[0].getsockname()
                 h = sock[0] if ":" not in sock[0] else f"[{sock[0]}]"
                 on_ready(f"http://{h}:{sock[1]}")   # the real port, also when asked for port 0
 
         async def shutdown(self, sockets=None):
+            if channel is not None:
+                channel.close()
             server = getattr(app.state, "server", None)
             if server is not None:
                 server.abort_all()

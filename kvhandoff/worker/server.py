@@ -571,6 +571,8 @@ def build_app(loop: "EngineLoop", engine_info: EngineInfo, max_in_flight: int | 
     async def health():
         stats = {"model": engine_info.served_name, "role": srv.handoff.role if srv.handoff else Role.BOTH,
                  **engine_info.compute, **loop.stats(), **(srv.handoff.health() if srv.handoff else {})}
+        if (channel_port := getattr(app.state, "channel_port", None)) is not None:
+            stats["channel_port"] = channel_port        # routers send their legs there (wire/channel.py)
         if not loop.is_alive():
             return JSONResponse({"status": "error", "error": loop.fatal_error or "engine loop stopped", **stats},
                                 status_code=503)
