@@ -23,7 +23,7 @@ import aiohttp
 import msgspec
 
 from kvhandoff.router.answer import READ_BUFFER, Answer, Broken, Unreachable, describe
-from kvhandoff.router.channel import Channel, ChannelRefused
+from kvhandoff.router.channel import Channel
 
 log = logging.getLogger("kvhandoff.router")
 CHANNEL_RETRY_S = 5.0       # after a channel failed to connect, its worker's legs go over HTTP this long
@@ -82,7 +82,7 @@ class Upstream:
         given: a long prefill or generation is not a failure (the router's deadline bounds them)."""
         path_at = url.find("/", url.find("//") + 2)
         base = url[:path_at] if path_at >= 0 else url
-        channel = await self.channel(base) if base in self.channel_ports else None
+        channel = self.channel(base) if base in self.channel_ports else None
         if channel is not None:
             payload = msgspec.json.encode(body) if body is not None else b""
             fields = [["content-type", "application/json"]] if body is not None else []
@@ -119,44 +119,54 @@ class Upstream:
             return answer.status, None
 
     # -- channels ---------------------------------------------------------------------------------
+    # A leg never waits for a channel to connect: it goes over HTTP until one is up. A worker's channel
+    # is connected when its /health names it (offer), and again after it broke, in the background.
     def offer(self, url: str, port: object) -> None:
-        """What a worker's /health said of its channel (`channel_port`, or nothing): use it from now
-        on; a new port (the worker restarted) replaces the old connection."""
+        """What a worker's /health said of its channel (`channel_port`, or nothing): connect to it;
+        a new port (the worker restarted) replaces the old connection."""
         if self.token is None:
             return
         where = (url.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]"), port) if isinstance(port, int) else None
         if self.channel_ports.get(url) == where:
             return
         self.drop(url)
-        self.channel_failed.pop(url, None)          # (a new port is tried at once)
         if where is not None:
             self.channel_ports[url] = where
+            self.connect(url)
 
     def drop(self, url: str) -> None:
         """Forget `url`'s channel (it left the pool, or stopped offering one): its open legs break."""
         self.channel_ports.pop(url, None)
+        self.channel_failed.pop(url, None)
         connecting = self.channels.pop(url, None)
         if connecting is not None:
             connecting.add_done_callback(lambda done: _connected(done) and done.result().close())
 
-    async def channel(self, url: str) -> Channel | None:
-        """`url`'s channel, connected once and kept; None (its legs go over HTTP) while it cannot be."""
+    def channel(self, url: str) -> Channel | None:
+        """`url`'s channel if it is up; else None (this leg goes over HTTP), and a new connection is
+        started unless one failed less than CHANNEL_RETRY_S ago."""
         connecting = self.channels.get(url)
-        if connecting is None or (connecting.done() and not (_connected(connecting) and not connecting.result().closed)):
-            if time.monotonic() - self.channel_failed.get(url, -CHANNEL_RETRY_S) < CHANNEL_RETRY_S:
-                return None
-            host, port = self.channel_ports[url]
-            connecting = self.channels[url] = asyncio.ensure_future(
-                Channel.connect(host, port, self.token, self.connect_timeout))
-        try:
-            return await asyncio.shield(connecting)
-        except (OSError, asyncio.TimeoutError, ChannelRefused) as e:
-            if self.channels.get(url) is connecting:        # (the first of its waiters to hear it)
-                del self.channels[url]
-                self.channel_failed[url] = time.monotonic()
-                log.warning("%s: its channel (port %s) failed: %s; its legs go over HTTP for %.0f s", url,
-                            self.channel_ports.get(url, ("", "?"))[1], describe(e), CHANNEL_RETRY_S)
-            return None
+        if connecting is not None and _connected(connecting) and not connecting.result().closed:
+            return connecting.result()
+        if connecting is None or connecting.done():
+            if time.monotonic() - self.channel_failed.get(url, -CHANNEL_RETRY_S) >= CHANNEL_RETRY_S:
+                self.connect(url)
+        return None
+
+    def connect(self, url: str) -> None:
+        host, port = self.channel_ports[url]
+        connecting = self.channels[url] = asyncio.ensure_future(Channel.connect(host, port, self.token, self.connect_timeout))
+        connecting.add_done_callback(lambda done: self._connect_ended(url, port, done))
+
+    def _connect_ended(self, url: str, port: int, done: asyncio.Future) -> None:
+        if done.cancelled() or done.exception() is None or self.channels.get(url) is not done:
+            return
+        first = url not in self.channel_failed
+        self.channel_failed[url] = time.monotonic()
+        # Once at warning (a worker behind something that passes only its HTTP port says so at start, not
+        # every few seconds); then at debug.
+        log.log(logging.WARNING if first else logging.DEBUG, "%s: its channel (port %s) failed: %s; its legs go "
+                "over HTTP (tried again after %.0f s)", url, port, describe(done.exception()), CHANNEL_RETRY_S)
 
     async def close(self) -> None:
         for url in list(self.channel_ports):
