@@ -213,3 +213,17 @@ def test_upstream_takes_the_channel_a_worker_offers_and_http_when_it_cannot_be_h
         await serving
         channel_server.close()
     run(main())
+
+
+def test_the_channel_bench_times_both_transports_with_the_routers_own_upstream():
+    """`python -m kvhandoff.bench.channel`: a real worker-like server (serve_forever, uvicorn and the
+    channel) in its own process, the router's Upstream timing legs both ways."""
+    import re
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "kvhandoff.bench.channel", "--legs", "40", "--warmup", "5"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = dict(re.findall(r"^(http|channel) +([\d.]+) ", out.stdout, re.M))
+    assert set(rows) == {"http", "channel"} and all(float(v) > 0 for v in rows.values()), out.stdout
+    assert re.search(r"channel / http p50: [\d.]+ \(", out.stdout), out.stdout
