@@ -21,7 +21,7 @@ from kvhandoff.router.answer import Broken
 from kvhandoff.router.channel import Channel, ChannelRefused
 from kvhandoff.router.upstream import Upstream
 from kvhandoff.wire.auth import control_headers, control_token
-from kvhandoff.wire.channel import VERSION, WINDOW, ChannelServer
+from kvhandoff.wire.channel import VERSION, WINDOW, ChannelServer, Kind
 
 SECRET = b"channel-test-secret"
 TOKEN = control_token(SECRET)
@@ -110,6 +110,14 @@ def test_a_wrong_token_or_a_stranger_is_refused():
             writer.write(frame)
             assert len(await asyncio.wait_for(reader.read(), 5)) < 200      # (a REFUSED frame at most), then EOF
             writer.close()
+        # An authenticated peer's malformed frame: hung up on, with nothing served.
+        channel = await Channel.connect("127.0.0.1", port, TOKEN, 5.0)
+        channel.send((Kind.OPEN, 1, "GET", "no-slash", [], b""))
+        for _ in range(100):
+            if channel.closed:
+                break
+            await asyncio.sleep(0.02)
+        assert channel.closed and not server.connections
         with pytest.raises(ChannelRefused, match="version"):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             payload = msgspec.msgpack.encode([0, VERSION + 1, TOKEN])

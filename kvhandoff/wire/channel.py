@@ -194,8 +194,11 @@ class ServerConnection(Framed):
             _, leg_id, method, path, headers, body = frame
             if leg_id in self.legs:
                 raise FrameError(f"leg {leg_id} is already open")
+            if not (isinstance(method, str) and isinstance(path, str) and path.startswith("/") and isinstance(body, bytes)
+                    and all(isinstance(name, str) and isinstance(value, str) for name, value in headers)):
+                raise FrameError("OPEN [leg, method, path, [[name, value], ...], body bytes]")
             leg = self.legs[leg_id] = ServerLeg(self, leg_id, self.scope(method, path, headers), body)
-            asyncio.get_running_loop().create_task(leg.run(self.server.app))
+            leg.task = asyncio.get_running_loop().create_task(leg.run(self.server.app))   # (held: the loop keeps a weak one)
         elif kind == Kind.CANCEL:
             if (leg := self.legs.get(frame[1])) is not None:
                 leg.disconnect()
@@ -236,6 +239,7 @@ class ServerLeg:
         self.wakeup = asyncio.Event()            # credit came, or the router is gone
         self.unacked = 0                         # answer bytes sent the router has not taken
         self.started = self.ended = False
+        self.task: asyncio.Task | None = None
 
     async def receive(self) -> dict:
         if self.body is not None:
