@@ -96,7 +96,7 @@ class Framed(asyncio.Protocol):
             try:
                 self.on_frame(frame)
             except (FrameError, ValueError, TypeError, IndexError) as e:
-                return self.fail(f"a malformed frame {Kind(frame[0]).name if frame[0] < len(Kind) else frame[0]}: {e}")
+                return self.fail(f"a malformed frame {Kind(frame[0]).name if 0 <= frame[0] < len(Kind) else frame[0]}: {e}")
 
     def on_frame(self, frame: list) -> None:
         raise NotImplementedError
