@@ -841,6 +841,8 @@ def check_router_timings(url: str, mode: str) -> None:
         assert abs(t["queue_ms"] + t["prefill_ms"] - t["ttft_ms"]) < 0.01 and t["ttft_ms"] <= t["total_ms"], t
         assert t["queue_ms"] >= phases["prefill_queue"] and t["prefill_ms"] >= phases["prefill_compute"], (t, phases)
         assert abs(t["decode_ms"] - (t["total_ms"] - t["ttft_ms"])) < 0.01, t
+        # The decode worker's own step, passed on: its 6 steps after the second token fit in its decode.
+        assert 0 < t["decode_step_ms"] and 6 * t["decode_step_ms"] <= t["decode_ms"], t
 
 
 CHAT_MESSAGES = [{"role": "system", "content": "You answer briefly."},

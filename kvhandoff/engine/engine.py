@@ -372,7 +372,7 @@ class LLMEngine:
         request.timings.finished = time.monotonic()
         out = RequestOutput(request.request_id, new_token_ids or [], new_text, True, reason,
                             request.num_prompt_tokens, len(request.output_token_ids),
-                            num_cached, request.timings.as_ms(), error)
+                            num_cached, request.timings.as_ms(len(request.output_token_ids)), error)
         if pin:
             self.holds.hold(request.request_id, Hold.PINNED, blocks)
             out.kv_block_ids, out.num_kv_tokens = list(blocks), request.num_computed_tokens

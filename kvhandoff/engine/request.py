@@ -55,9 +55,14 @@ class Timings:
     second_token: float | None = None   # decode side of a handoff: the end of its first forward step
     finished: float | None = None
 
-    def as_ms(self) -> dict[str, float]:
+    def as_ms(self, num_output_tokens: int = 0) -> dict[str, float]:
         def ms(a, b):
             return round((b - a) * 1000, 3) if a is not None and b is not None else None
+        after_second = ms(self.second_token, self.finished)
+        # The engine's own time per token after the second (a handoff's decode side and a colocated
+        # request alike: the steps that follow their first decode step), beside what the client saw.
+        step = {"decode_step_ms": round(after_second / (num_output_tokens - 2), 4)} \
+            if after_second is not None and num_output_tokens > 2 else {}
         return {
             "queue_ms": ms(self.arrival, self.first_scheduled),
             "prefill_ms": ms(self.first_scheduled, self.first_token),
@@ -66,6 +71,7 @@ class Timings:
             "total_ms": ms(self.arrival, self.finished),
             **({"decode_queue_ms": ms(self.kv_ready, self.first_scheduled),
                 "first_step_ms": ms(self.first_scheduled, self.second_token)} if self.kv_ready else {}),
+            **step,
         }
 
 

@@ -377,7 +377,8 @@ class Attempt:
         if ttft is not None:
             ttft = min(max(ttft, 0.0), total)
             queue = min(max(queue, 0.0), ttft)
-        return timings_of(queue, ttft, total)
+        kept = {"decode_step_ms": t["decode_step_ms"]} if "decode_step_ms" in t else {}     # (the decode worker's own)
+        return timings_of(queue, ttft, total) | kept
 
     def workers_named(self) -> str:
         """The workers of the current attempt, for a log line."""
