@@ -426,6 +426,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         cfg = LaunchConfig(mode=args.mode, worker_args=worker_args, router_args=router_args,
                            prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),
                            num_prefill=args.prefill, num_decode=args.decode, num_routers=args.routers,
+                           router_cores=args.router_cores,
                            host=args.host, port=args.port, threads=args.threads, cores=args.cores,
                            log_level=args.log_level, startup_timeout=args.startup_timeout,
                            max_restarts=args.max_restarts, child_args=parse_child_args(args.worker_args),
@@ -754,6 +755,10 @@ def add_up_command(sub) -> None:
                    help="routers sharing the front port (SO_REUSEPORT: the kernel spreads connections over them); "
                         "with more than one, each has a port of its own too, a dead one is restarted while the "
                         "others serve, and they find conversations through the decode workers (default: %(default)s)")
+    p.add_argument("--router-cores", choices=["any", "prefill"], default="any",
+                   help="where the router runs when the workers are pinned to cores: any (the kernel places it) or "
+                        "prefill (on the prefill workers' cores, away from the decode steps whose tokens it relays) "
+                        "(default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for every /health (default: %(default)s)")
     p.add_argument("--retry-colocated", action="store_true",

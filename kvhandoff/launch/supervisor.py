@@ -79,6 +79,9 @@ class LaunchConfig:
     child_args: dict[str, list[str]] = field(default_factory=dict)  # flags for one child: {"decode-1": [...]}
     link: LinkSpec | None = None     # decode workers behind an emulated link (netlink.py)
     vllm: VllmLaunch | None = None   # the workers are vLLM servers (launch/vllm.py), not ours
+    # Where the router runs when the workers are pinned: "prefill" (on the prefill workers' cores) or
+    # "any" (unpinned: the kernel places it, often beside the decode worker it relays each token of).
+    router_cores: str = "any"
 
     def __post_init__(self):
         assert self.mode in STACK_MODES, f"mode must be one of {STACK_MODES}"
@@ -264,7 +267,9 @@ def plan(cfg: LaunchConfig, link: EmulatedLink | None = None) -> list[Child]:
                                      "--threads", str(threads))
         children.append(Child(name, cmd, f"http://{whost}:{wport}", share))
     urls = lambda role: [c.url for c in children if c.role == role]
-    return children + router_children(cfg, urls(Role.PREFILL), urls(Role.DECODE), port)
+    prefill_cores = sorted({core for c in children if c.role == Role.PREFILL for core in c.cores or []})
+    router_cores = prefill_cores if cfg.router_cores == "prefill" and prefill_cores else None
+    return children + router_children(cfg, urls(Role.PREFILL), urls(Role.DECODE), port, router_cores)
 
 
 def plan_vllm(cfg: LaunchConfig, cores: list[int], port: int) -> list[Child]:
@@ -289,7 +294,8 @@ def plan_vllm(cfg: LaunchConfig, cores: list[int], port: int) -> list[Child]:
     return children + router_children(cfg, urls(Role.PREFILL), urls(Role.DECODE), port)
 
 
-def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[str], port: int) -> list[Child]:
+def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[str], port: int,
+                    cores: list[int] | None = None) -> list[Child]:
     """The router (on the front port), or several: each on a port of its own (the supervisor's health
     checks, an operator's look at one router) and on the shared front port; sessions are then found
     through the decode workers."""
@@ -299,7 +305,7 @@ def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: lis
     if cfg.vllm is not None:
         router += ["--engine", "vllm", "--retention-ttl", str(cfg.vllm.retention_ttl)]
     if cfg.num_routers == 1:
-        return [Child(ROUTER, kvhandoff_cmd(*router, "--port", str(port)), f"http://{host_in_url}:{port}")]
+        return [Child(ROUTER, kvhandoff_cmd(*router, "--port", str(port)), f"http://{host_in_url}:{port}", cores)]
     # (vLLM workers keep no session index to ask: each router has its own map then)
     shared = ["--front-port", str(port)] + (["--shared-sessions"] if "--bidirectional" in cfg.router_args
                                             and cfg.vllm is None else [])
@@ -307,7 +313,7 @@ def router_children(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: lis
     for i in range(cfg.num_routers):
         rport = free_port(cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1")
         children.append(Child(f"router-{i}", kvhandoff_cmd(*router, "--port", str(rport), *shared),
-                              f"http://{host_in_url}:{rport}"))
+                              f"http://{host_in_url}:{rport}", cores))
     return children
 
 
