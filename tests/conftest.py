@@ -83,6 +83,14 @@ def tiny_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def fleet_reference(tmp_path_factory) -> dict[int, list[str]]:
+    """test_fleet's colocated reference answers, computed once for test_fleet and test_ray (which
+    imports test_fleet's `reference` fixture): one colocated server and 32 greedy requests less."""
+    from test_fleet import colocated_reference
+    return colocated_reference(tmp_path_factory)
+
+
 def prefill_answer(r: httpx.Response) -> tuple[dict | None, dict | None, dict | None]:
     """A prefill worker's answer (JSON lines): (first token, handoff object, error), as a router reads it."""
     import json
