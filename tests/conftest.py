@@ -61,6 +61,22 @@ class ServerProcess:
         return stop_process(self.proc, timeout)
 
 
+def start_servers(specs: list[tuple[list[str], Path]]) -> list[ServerProcess]:
+    """ServerProcess(args, log_path) for each spec, started side by side (a start is mostly importing
+    torch: on two cores two at once take about as long as one). In order; if any fails to start, the
+    others are stopped and its error raised."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(ServerProcess, args, log_path) for args, log_path in specs]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    return [f.result() for f in futures]
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:
     """SIGTERM, then SIGKILL if it has not exited within `timeout`; returns the exit status."""
     if proc.poll() is None:
