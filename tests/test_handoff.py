@@ -198,7 +198,8 @@ def test_expired_lease_is_detected_and_recomputed(tmp_path, workers, reference):
                        json={**body(PROMPTS[4]), "kv_transfer_params": {"protocol_version": PROTOCOL_VERSION, "handoff_id": "late", "mode": "pull",
                                                                        "role": "prefill"}})
         handoff = prefill_handoff(r)
-        time.sleep(1.5)                     # lease gone, blocks back in the pool...
+        h = wait_baseline(prefill, timeout=10)      # lease gone (0.5 s), blocks back in the pool...
+        assert not h["num_pinned_handoffs"], h
         for i in range(2):                  # ...and overwritten by other prompts
             httpx.post(f"{prefill.url}/v1/completions", json=body(words(500, 10 + i), max_tokens=1), timeout=60)
         r = httpx.post(f"{workers['decode'].url}/v1/completions", headers=HEADERS, timeout=60,
