@@ -61,6 +61,22 @@ class ServerProcess:
         return stop_process(self.proc, timeout)
 
 
+def start_servers(specs: list[tuple[list[str], Path]]) -> list[ServerProcess]:
+    """ServerProcess(args, log_path) for each spec, started side by side (a start is mostly importing
+    torch: on two cores two at once take about as long as one). In order; if any fails to start, the
+    others are stopped and its error raised."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(ServerProcess, args, log_path) for args, log_path in specs]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    return [f.result() for f in futures]
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:
     """SIGTERM, then SIGKILL if it has not exited within `timeout`; returns the exit status."""
     if proc.poll() is None:
@@ -81,6 +97,14 @@ def tiny_server(tmp_path_factory):
     server.baseline = server.health()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet_reference(tmp_path_factory) -> dict[int, list[str]]:
+    """test_fleet's colocated reference answers, computed once for test_fleet and test_ray (which
+    imports test_fleet's `reference` fixture): one colocated server and 32 greedy requests less."""
+    from test_fleet import colocated_reference
+    return colocated_reference(tmp_path_factory)
 
 
 def prefill_answer(r: httpx.Response) -> tuple[dict | None, dict | None, dict | None]:

@@ -318,7 +318,8 @@ def test_expired_and_evicted_history_is_recomputed(colocated, tmp_path):
         prompt = words(150, 60)
         answer = complete(up.url, prompt, "ttl")["choices"][0]["text"]
         assert decode_health(up.url)["num_retained"] == 1
-        time.sleep(3)
+        # gone within a second of the TTL (the same bound as a 3 s sleep, without waiting it out)
+        wait_until(lambda: decode_health(up.url)["num_retained"] == 0, "retained past its TTL", timeout=3)
         h = decode_health(up.url)
         assert h["num_retained"] == 0 and h["num_free_blocks"] == h["num_blocks"], h
         nxt = prompt + answer + " " + words(30, 61)
@@ -542,8 +543,9 @@ def test_retention_metrics_are_what_the_decode_worker_holds(colocated, tmp_path)
     """Sampled between the turns of three conversations and after their TTL: the Prometheus series
     equal the blocks the decode worker holds, a read back counts as a hit with its bytes, a
     superseded turn and the expiries are counted by cause."""
+    ttl = 6         # outlives the four requests and five samples before the last sample(3) (~1 s here)
     up = start_up(tmp_path, "pull", *ENGINE, *NO_PREFILL_CACHE, "--bidirectional", "--reuse-policy", "always",
-                  "--retention-ttl", "10")
+                  "--retention-ttl", str(ttl))
     decode = decode_health(up.url)["url"]
 
     def sample(sessions: int) -> tuple[dict, str]:
@@ -566,7 +568,9 @@ def test_retention_metrics_are_what_the_decode_worker_holds(colocated, tmp_path)
         for conv in (1, 2):
             complete(up.url, words(120, 80 + conv), f"m{conv}")
             sample(conv + 1)
-        time.sleep(11)
+        # all expired and their blocks free within a second of the TTL (the bound an 11 s sleep on a 10 s TTL set)
+        wait_until(lambda: (lambda h: h["num_retained"] == 0 and h["num_free_blocks"] == h["num_blocks"])(
+            httpx.get(decode + "/health", timeout=10).json()), "retained KV outlived its TTL", timeout=ttl + 1)
         health, text = sample(0)
         assert health["num_free_blocks"] == health["num_blocks"], health
         assert metric(text, 'kvhandoff_retention_events_total{event="expiries"}') == 3

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import ServerProcess, prefill_answer
+from conftest import ServerProcess, prefill_answer, start_servers
 from kvhandoff.wire.messages import PROTOCOL_VERSION
 from test_handoff import COMMON, HEADERS, PROMPTS, SECRET, body, disaggregated, wait_baseline
 from test_router import ROUTER_READY, Proc
@@ -35,7 +35,7 @@ FAST = ["--kv-timeout-s", "2", "--lease-s", "2"]
 def healthy(tmp_path_factory):
     logs = tmp_path_factory.mktemp("faults")
     roles = {"prefill": "prefill", "decode": "decode", "colocated": "both", "prefill2": "prefill", "decode2": "decode"}
-    started = [ServerProcess([*COMMON, "--role", role, *FAST], logs / f"{name}.log") for name, role in roles.items()]
+    started = start_servers([([*COMMON, "--role", role, *FAST], logs / f"{name}.log") for name, role in roles.items()])
     yield dict(zip(roles, started))
     for server in started:
         server.stop()
@@ -267,8 +267,8 @@ def test_a_killed_push_prefill_gives_the_decode_blocks_back_at_once(tmp_path, sp
     kills it) after the decode worker registered its blocks, or mid-WRITE. The decode worker computes
     the prompt itself, and its reserved blocks are free within seconds: its agent saw the prefill's
     agent die, whether that came before or after the router's report of the failure."""
-    decode = ServerProcess([*COMMON, "--role", "decode"], tmp_path / "decode.log")
-    prefill = ServerProcess([*COMMON, "--role", "prefill", "--inject-faults", spec], tmp_path / "prefill.log")
+    decode, prefill = start_servers([([*COMMON, "--role", "decode"], tmp_path / "decode.log"),
+                                     ([*COMMON, "--role", "prefill", "--inject-faults", spec], tmp_path / "prefill.log")])
     router = Proc(["router", "--prefill", prefill.url, "--decode", decode.url, "--mode", "push", "--port", "0",
                    "--kv-secret", SECRET], tmp_path / "router.log", ROUTER_READY)
     try:

@@ -45,8 +45,7 @@ def completion(prompt: list[int]) -> dict:
 SHORT = 12                 # tokens per answer where the test is about routing, not streams outliving a kill
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, list[str]]:
+def colocated_reference(tmp_path_factory) -> dict[int, list[str]]:
     """Colocated greedy outputs of PROMPTS, TOKENS and SHORT tokens long, on an engine like the
     stacks' workers (one thread)."""
     server = ServerProcess(list(ENGINE), tmp_path_factory.mktemp("fleet") / "colocated.log")
@@ -54,6 +53,12 @@ def reference(tmp_path_factory) -> dict[int, list[str]]:
         return greedy_texts(server.url, (TOKENS, SHORT))
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(fleet_reference) -> dict[int, list[str]]:
+    """colocated_reference, computed once per session (conftest's fleet_reference): test_ray uses it too."""
+    return fleet_reference
 
 
 def greedy_texts(url: str, lengths: tuple[int, ...]) -> dict[int, list[str]]:

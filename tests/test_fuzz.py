@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ServerProcess, prefill_handoff
+from conftest import ServerProcess, prefill_handoff, start_servers
 from kvhandoff.wire.auth import control_headers
 from kvhandoff.wire.messages import PROTOCOL_VERSION
 from test_router import ROUTER_READY, Proc
@@ -69,12 +69,10 @@ def wait_idle(server: ServerProcess, timeout: float = 20) -> dict:
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fuzz")
-    started = []
+    started = start_servers([(["--model", "tiny", "--num-blocks", "128", "--kv-secret", SECRET, "--role", role,
+                               "--bidirectional", "--kv-timeout-s", "3", "--lease-s", "3"], logs / f"{role}.log")
+                             for role in ("prefill", "decode")])
     try:
-        for role in ("prefill", "decode"):
-            started.append(ServerProcess(["--model", "tiny", "--num-blocks", "128", "--kv-secret", SECRET,
-                                          "--role", role, "--bidirectional", "--kv-timeout-s", "3",
-                                          "--lease-s", "3"], logs / f"{role}.log"))
         yield dict(zip(("prefill", "decode"), started))
     finally:
         for server in started:

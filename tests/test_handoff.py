@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess, prefill_answer, prefill_handoff
+from conftest import ServerProcess, prefill_answer, prefill_handoff, start_servers
 from kvhandoff.wire.auth import control_headers
 from kvhandoff.wire.messages import PROTOCOL_VERSION
 
@@ -37,14 +37,13 @@ def body(prompt: str, **extra) -> dict:
 @contextmanager
 def three_workers(args: list[str], logs: Path):
     """A prefill, a decode and a colocated worker: {"prefill", "decode", "colocated"}."""
-    started = []
+    # max_num_batched_tokens 64: long prompts prefill in chunks, which layer-wise push sends early.
+    # The decode worker's pool is larger: a block's place in a layer-major pool depends on the
+    # pool's size, which the messages carry with the block ids (kv_layout.py).
+    extra = {"prefill": ["--max-num-batched-tokens", "64"], "decode": ["--num-blocks", "320"]}
+    started = start_servers([([*args, "--role", role, *extra.get(role, [])], logs / f"{role}.log")
+                             for role in ("prefill", "decode", "both")])
     try:
-        for role in ("prefill", "decode", "both"):
-            # max_num_batched_tokens 64: long prompts prefill in chunks, which layer-wise push sends early.
-            # The decode worker's pool is larger: a block's place in a layer-major pool depends on the
-            # pool's size, which the messages carry with the block ids (kv_layout.py).
-            extra = {"prefill": ["--max-num-batched-tokens", "64"], "decode": ["--num-blocks", "320"]}.get(role, [])
-            started.append(ServerProcess([*args, "--role", role, *extra], logs / f"{role}.log"))
         yield dict(zip(("prefill", "decode", "colocated"), started))
     finally:
         for server in started:
@@ -199,7 +198,8 @@ def test_expired_lease_is_detected_and_recomputed(tmp_path, workers, reference):
                        json={**body(PROMPTS[4]), "kv_transfer_params": {"protocol_version": PROTOCOL_VERSION, "handoff_id": "late", "mode": "pull",
                                                                        "role": "prefill"}})
         handoff = prefill_handoff(r)
-        time.sleep(1.5)                     # lease gone, blocks back in the pool...
+        h = wait_baseline(prefill, timeout=10)      # lease gone (0.5 s), blocks back in the pool...
+        assert not h["num_pinned_handoffs"], h
         for i in range(2):                  # ...and overwritten by other prompts
             httpx.post(f"{prefill.url}/v1/completions", json=body(words(500, 10 + i), max_tokens=1), timeout=60)
         r = httpx.post(f"{workers['decode'].url}/v1/completions", headers=HEADERS, timeout=60,
@@ -355,8 +355,8 @@ def test_push_prompt_that_outlives_the_kv_timeout(tmp_path, reference, mode):
     neither gives up nor recomputes. Before the keep-alive every such push handoff was recomputed."""
     timeout = ["--kv-timeout-s", "1"]
     slow = ["--inject-faults", "step_ms=250", "--max-num-batched-tokens", "256"]     # 2,800 tokens: >= 2.75 s
-    prefill = ServerProcess([*COMMON, "--role", "prefill", *timeout, *slow], tmp_path / "prefill.log")
-    decode = ServerProcess([*COMMON, "--role", "decode", *timeout], tmp_path / "decode.log")
+    prefill, decode = start_servers([([*COMMON, "--role", "prefill", *timeout, *slow], tmp_path / "prefill.log"),
+                                     ([*COMMON, "--role", "decode", *timeout], tmp_path / "decode.log")])
     try:
         handoff, response = disaggregated(prefill.url, decode.url, mode, body(PROMPTS[5]))
         assert handoff["phases_ms"]["prefill_compute"] > 2000, handoff      # two timeouts and more

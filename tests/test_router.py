@@ -395,8 +395,10 @@ def test_retry_colocated_when_the_prefill_fails(fakes, tmp_path, mode):
         try:
             for stream in (False, True):
                 tag = f"retry-{mode}-{stream}-{prefill_fake}"
-                # decode delays its (KV-waiting) answer, as a real one would: the prefill fails first
-                body = {"prompt": "x", "fake": {"tag": tag, "prefill": prefill_fake, "decode": {"delay": 3}}}
+                # decode delays its (KV-waiting) answer, as a real one would: the prefill fails first (at
+                # once: nothing listens, or the in-process fake answers 500). Each request waits out this
+                # delay on its colocated retry too, so it is kept short.
+                body = {"prompt": "x", "fake": {"tag": tag, "prefill": prefill_fake, "decode": {"delay": 1.5}}}
                 if stream:
                     status, text, handoff = streamed(router.url, body)
                 else:
@@ -409,7 +411,7 @@ def test_retry_colocated_when_the_prefill_fails(fakes, tmp_path, mode):
                          if c["body"].get("fake", {}).get("tag") == tag and c["body"]["kv_transfer_params"].get("colocated")]
                 assert len(plain) == 1 and plain[0]["body"]["kv_transfer_params"]["role"] == "decode"
                 assert "remote" not in plain[0]["body"]["kv_transfer_params"]
-            refused = {"prompt": "x", "fake": {"prefill": {"status": 400}, "decode": {"delay": 3}}}
+            refused = {"prompt": "x", "fake": {"prefill": {"status": 400}, "decode": {"delay": 1.5}}}
             if prefill_url != dead:
                 assert httpx.post(router.url + "/v1/completions", json=refused, timeout=20).status_code == 400
         finally:

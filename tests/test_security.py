@@ -13,7 +13,7 @@ import socket
 
 import httpx
 
-from conftest import ServerProcess
+from conftest import start_servers
 from kvhandoff.wire.auth import control_token
 from test_handoff import COMMON, SECRET
 from test_router import ROUTER_READY, Proc
@@ -52,8 +52,8 @@ def test_listeners_default_to_loopback_and_logs_hold_no_secret(tmp_path):
     debug = ["--log-level", "debug"]
     workers, router = [], None
     try:
-        for role in ("prefill", "decode"):
-            workers.append(ServerProcess([*COMMON, "--role", role, *debug], tmp_path / f"{role}.log"))
+        workers = start_servers([([*COMMON, "--role", role, *debug], tmp_path / f"{role}.log")
+                                 for role in ("prefill", "decode")])
         router = Proc(["router", "--prefill", workers[0].url, "--decode", workers[1].url, "--mode", "pull",
                        "--port", "0", "--kv-secret", SECRET, *debug], tmp_path / "router.log", ROUTER_READY)
         r = httpx.post(router.url + "/v1/completions", timeout=60,

@@ -14,7 +14,7 @@ import sys
 
 def test_a_short_chaos_soak_loses_nothing_and_recovers_every_worker(tmp_path):
     out = tmp_path / "chaos"
-    run = subprocess.run([sys.executable, "-m", "kvhandoff.bench.soak", "--minutes", "0.5", "--kill-every-s", "6",
+    run = subprocess.run([sys.executable, "-m", "kvhandoff.bench.soak", "--minutes", "0.3", "--kill-every-s", "5",
                           "--dtype", "float32", "--concurrency", "4", "--sample-s", "5", "--retention-ttl", "3",
                           "--num-blocks", "256", "--out", str(out)], capture_output=True, text=True, timeout=400)
     output = run.stdout[-4000:] + run.stderr[-4000:]
