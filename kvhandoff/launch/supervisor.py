@@ -81,6 +81,9 @@ class LaunchConfig:
     vllm: VllmLaunch | None = None   # the workers are vLLM servers (launch/vllm.py), not ours
     # Where the router runs when the workers are pinned: "prefill" (on the prefill workers' cores) or
     # "any" (unpinned: the kernel places it, often beside the decode worker it relays each token of).
+    # "any" by measurement (issue 46; tiny model, 1+1 on a 2-core Zen 4, 3 alternated runs): "prefill"
+    # cost push TTFT 2.4 ms at 512 tokens (+4.1 against +1.8 over colocated) and left the decode
+    # worker's own step at 2,048 tokens where it was (1.17-1.21x colocated's against 1.21-1.24x).
     router_cores: str = "any"
 
     def __post_init__(self):
