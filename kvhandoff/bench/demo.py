@@ -36,7 +36,7 @@ from kvhandoff.bench import disagg
 from kvhandoff.bench.client import completion_body, get_json, open_session, stream_completion
 from kvhandoff.bench.meta import cpu_model, git_commit, log
 from kvhandoff.bench.plots import stacked_phases
-from kvhandoff.bench.stack import Stack, stop_on_signal
+from kvhandoff.bench.stack import Stack, stop_all, stop_on_signal
 from kvhandoff.launch.netlink import LinkError, check_available
 from kvhandoff.wire.modes import COLOCATED, Mode
 
@@ -153,8 +153,7 @@ def start_measured(stacks: list[Stack], optional: list[Stack]) -> str | None:
         for stack in optional:
             stack.wait_ready()
     except (RuntimeError, TimeoutError) as exc:
-        for stack in optional:
-            stack.stop()
+        stop_all(optional)
         return f"skipped: {exc}"
     return None
 
@@ -203,8 +202,7 @@ async def run(bench: disagg.Bench, budget_s: float, started: float, link: str) -
             args.links = [disagg.FREE, rate] if rate else [disagg.FREE]
             samples = await disagg.run_isolated(bench, client)
         finally:
-            for stack in bench.stacks.values():
-                stack.stop()
+            stop_all(bench.stacks.values())
     names = list(bench.stacks)
     summary = disagg.summarize_isolated(samples, names, args.lengths)
     goals = disagg.isolated_goals(summary)

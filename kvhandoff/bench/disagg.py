@@ -50,7 +50,7 @@ from kvhandoff.bench.client import (
     stream_completion,
 )
 from kvhandoff.bench.meta import cpu_model, fmt, git_commit, log
-from kvhandoff.bench.stack import Stack, core_wait_ns, stop_on_signal
+from kvhandoff.bench.stack import Stack, core_wait_ns, stop_all, stop_on_signal
 from kvhandoff.launch.netlink import LinkSpec
 from kvhandoff.wire.messages import PHASES, TTFT_PHASES
 from kvhandoff.wire.modes import COLOCATED, NAMES, Mode
@@ -111,8 +111,7 @@ def start_stacks(stacks: list[Stack]) -> None:
             stack.wait_ready()
             log(f"{stack.name} ready at {stack.url}")
     except BaseException:
-        for stack in stacks:
-            stack.stop()
+        stop_all(stacks)
         raise
 
 
@@ -541,9 +540,7 @@ async def amain(bench: Bench) -> dict:
                 await calibrate(bench, client, one_core)
                 iso = await run_isolated(bench, client)
                 samples += iso
-                one_core.stop()
-                for stack in linked:            # the loaded run is on the free link only
-                    stack.stop()
+                stop_all([one_core, *linked])   # the loaded run is on the free link only
                 names = [BASELINE_1CORE, *args.modes, *(s.name for s in linked)]
                 report["isolated"] = summarize_isolated(iso, names, args.lengths)
                 report["isolated_goals"] = isolated_goals(report["isolated"])
@@ -560,8 +557,7 @@ async def amain(bench: Bench) -> dict:
                 report["loaded"] = summarize_loaded(loaded, [BASELINE_2CORE, *args.modes])
                 print_loaded(meta, report["loaded"])
         finally:
-            for stack in bench.stacks.values():
-                stack.stop()
+            stop_all(bench.stacks.values())
             report["meta"]["words_per_token"] = bench.words_per_token
             report["samples"] = [s.to_json() for s in samples]
             (args.out / "disagg.json").write_text(json.dumps(report, indent=1))

@@ -44,7 +44,7 @@ from kvhandoff.bench.client import (
 )
 from kvhandoff.bench.disagg import start_stacks
 from kvhandoff.bench.meta import cpu_model, git_commit, log
-from kvhandoff.bench.stack import Stack, stop_on_signal
+from kvhandoff.bench.stack import Stack, stop_all, stop_on_signal
 from kvhandoff.wire.modes import NAMES, Mode
 
 GOAL_LATER_TURNS_X = 1.6        # TTFT off / on at the later turns (history >= 1,500 tokens)
@@ -257,8 +257,7 @@ async def play_launch(client: aiohttp.ClientSession, args, caching: str, launch:
         # After the last turn: what is still retained, as reported and as held.
         samples.append(await retained_bytes(client, stacks["on"]))
     finally:
-        for stack in stacks.values():
-            stack.stop()
+        stop_all(stacks.values())
     return rows, samples
 
 

@@ -80,14 +80,28 @@ class Stack:
             self.proc.wait()
 
 
+def stop_all(stacks: Iterable[Stack], timeout: float = 30.0) -> None:
+    """Stop every stack at once (each `up` stops its own children): side by side rather than one after
+    another, which took the demo ~8 s for its 7 stacks."""
+    stacks = [s for s in stacks if s.proc is not None and s.proc.poll() is None]
+    for stack in stacks:
+        stack.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for stack in stacks:
+        try:
+            stack.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stack.proc.kill()
+            stack.proc.wait()
+
+
 def stop_on_signal(stacks: Callable[[], Iterable[Stack]]) -> None:
     """On SIGINT or SIGTERM, stop every stack `stacks()` names and exit 130 at once. Cancelling the
     event loop's task does not reliably get through the client's streams, so the handler does not rely on
     it; an interrupted run writes no results."""
     def interrupted(signum, frame):
         log(f"signal {signum}: stopping the stacks")
-        for stack in stacks():
-            stack.stop()
+        stop_all(stacks())
         os._exit(130)
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
