@@ -136,6 +136,10 @@ def test_a_slow_leg_holds_back_only_itself_and_loses_nothing():
         for _ in range(3):
             quick = await channel.open("POST", "/echo", [], b"{}", None)
             assert msgspec.json.decode(await quick.read())["body"] == {}
+        for _ in range(250):                                    # (a slow machine: until the window is full)
+            if app.state.sent >= WINDOW:
+                break
+            await asyncio.sleep(0.02)
         await asyncio.sleep(0.2)
         assert WINDOW <= app.state.sent <= WINDOW + CHUNK       # the window, not the whole 8 MiB
         body = await slow.read()
@@ -205,7 +209,10 @@ def test_upstream_takes_the_channel_a_worker_offers_and_http_when_it_cannot_be_h
         failures = [r for r in caplog.records if "its channel" in r.getMessage()]
         assert len(failures) == 1 and failures[0].levelno == logging.WARNING
         assert f"(port {dead_port}) failed" in failures[0].getMessage()
-        await asyncio.sleep(0.1)
+        for _ in range(250):
+            if not channel_server.connections:
+                break
+            await asyncio.sleep(0.02)
         assert not channel_server.connections                        # the replaced channel was closed
         upstream.offer(url, port)                                    # it is back: the channel again
         await connected(upstream)
