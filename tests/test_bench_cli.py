@@ -59,14 +59,14 @@ def test_a_decode_step_missed_only_at_the_client_is_put_down_to_the_relay():
     from kvhandoff.bench.disagg import isolated_goals, relay_explained
     row = {"ttft_delta_ms": None, "ttft_x_colocated": None, "ttft_accounted": None,
            "step_x_colocated": 1.2, "worker_step_x_colocated": 1.0}
-    goals = isolated_goals({"2048": {"colocated-1core": {"ttft_ms": 100.0}, "pull": row,
-                                     "push": row | {"worker_step_x_colocated": 1.1}}})
+    summary = {"2048": {"colocated-1core": {"ttft_ms": 100.0}, "pull": row, "push": row | {"worker_step_x_colocated": 1.1}}}
+    goals = isolated_goals(summary)
     assert [(g["goal"], g["met"]) for g in goals] == [
         ("pull decode step (after the 2nd token) / colocated-1core's", False),
         ("pull decode worker's own step / colocated-1core's", True),
         ("push decode step (after the 2nd token) / colocated-1core's", False),
         ("push decode worker's own step / colocated-1core's", False)]
-    assert relay_explained(goals) == ["pull at 2048 tok"]       # (push's own step misses too: not the relay)
+    assert relay_explained(summary) == ["pull at 2048 tok"]       # (push's own step misses too: not the relay)
 
 
 def test_bench_a_running_server_by_url(tiny_server, tmp_path):

@@ -72,6 +72,14 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
+async def until(condition, timeout: float = 5.0) -> None:
+    """Poll `condition` until it holds or `timeout` passes (a slow machine, not a fixed sleep)."""
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+
+
 def test_a_leg_is_the_http_exchange_it_stands_for():
     async def main():
         app = app_under_test()
@@ -113,10 +121,7 @@ def test_a_wrong_token_or_a_stranger_is_refused():
         # An authenticated peer's malformed frame: hung up on, with nothing served.
         channel = await Channel.connect("127.0.0.1", port, TOKEN, 5.0)
         channel.send((Kind.OPEN, 1, "GET", "no-slash", [], b""))
-        for _ in range(100):
-            if channel.closed:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: channel.closed, timeout=2.0)
         assert channel.closed and not server.connections
         with pytest.raises(ChannelRefused, match="version"):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -136,10 +141,7 @@ def test_a_slow_leg_holds_back_only_itself_and_loses_nothing():
         for _ in range(3):
             quick = await channel.open("POST", "/echo", [], b"{}", None)
             assert msgspec.json.decode(await quick.read())["body"] == {}
-        for _ in range(250):                                    # (a slow machine: until the window is full)
-            if app.state.sent >= WINDOW:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: app.state.sent >= WINDOW)
         await asyncio.sleep(0.2)
         assert WINDOW <= app.state.sent <= WINDOW + CHUNK       # the window, not the whole 8 MiB
         body = await slow.read()
@@ -209,10 +211,7 @@ def test_upstream_takes_the_channel_a_worker_offers_and_http_when_it_cannot_be_h
         failures = [r for r in caplog.records if "its channel" in r.getMessage()]
         assert len(failures) == 1 and failures[0].levelno == logging.WARNING
         assert f"(port {dead_port}) failed" in failures[0].getMessage()
-        for _ in range(250):
-            if not channel_server.connections:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: not channel_server.connections)
         assert not channel_server.connections                        # the replaced channel was closed
         upstream.offer(url, port)                                    # it is back: the channel again
         await connected(upstream)

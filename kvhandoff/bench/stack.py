@@ -70,14 +70,7 @@ class Stack:
         return process_tree(self.proc.pid)
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)      # `kvhandoff up` stops its children, router first
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_all([self], timeout)
 
 
 def stop_all(stacks: Iterable[Stack], timeout: float = 30.0) -> None:
@@ -85,7 +78,7 @@ def stop_all(stacks: Iterable[Stack], timeout: float = 30.0) -> None:
     another, which took the demo ~8 s for its 7 stacks."""
     stacks = [s for s in stacks if s.proc is not None and s.proc.poll() is None]
     for stack in stacks:
-        stack.proc.send_signal(signal.SIGTERM)
+        stack.proc.send_signal(signal.SIGTERM)      # `kvhandoff up` stops its children, router first
     deadline = time.monotonic() + timeout
     for stack in stacks:
         try:

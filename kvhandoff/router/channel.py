@@ -10,15 +10,7 @@ from collections import deque
 from typing import AsyncIterator
 
 from kvhandoff.router.answer import READ_BUFFER, Answer, Broken
-from kvhandoff.wire.channel import (
-    HELLO_MAX_FRAME,
-    MAX_FRAME,
-    VERSION,
-    WINDOW,
-    Framed,
-    FrameError,
-    Kind,
-)
+from kvhandoff.wire.channel import HELLO_MAX_FRAME, MAX_FRAME, VERSION, WINDOW, Framed, FrameError, Kind
 
 
 class ChannelRefused(Exception):

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from typing import AsyncIterator
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -126,7 +127,7 @@ class Upstream:
         a new port (the worker restarted) replaces the old connection."""
         if self.token is None:
             return
-        where = (url.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]"), port) if isinstance(port, int) else None
+        where = (urlsplit(url).hostname, port) if isinstance(port, int) else None
         if self.channel_ports.get(url) == where:
             return
         self.drop(url)
