@@ -19,9 +19,11 @@ import pytest
 
 from conftest import ServerProcess
 from kvhandoff import cli
-from kvhandoff.router.policies import DecodePolicy, PrefillPolicy
+from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, queued_prefill_tokens
+from kvhandoff.router.pool import Worker
 from kvhandoff.transfer.agent import Backend
 from kvhandoff.wire.auth import control_headers
+from kvhandoff.wire.modes import Role
 from test_router import SECRET, UP_READY, FakeWorker, Proc, child_pids, gone, start_router, wait_until
 
 ADMIN = control_headers(SECRET)
@@ -387,6 +389,21 @@ def test_cache_aware_prefill_goes_where_the_prefix_is_cached(tmp_path, fleet, re
         router.stop()
         if other is not router:
             other.stop()
+
+
+def test_a_queue_another_router_reported_drains_at_the_workers_own_rate():
+    """A prefill worker polled while it computed another router's prompt looks busy to this router only
+    for as long as its own rates say that prompt takes (CI once saw three prompts go past their cache)."""
+    worker = Worker("http://w", Role.PREFILL, last_health={"num_tokens_to_prefill": 1000, "reuse_rates": {
+        "prefill_fixed_ms": 0.0, "prefill_ms_per_ktok": 100.0, "prefill_ms_per_ktok_kctx": 0.0}})
+    worker.polled_at = time.monotonic()
+    assert 900 <= queued_prefill_tokens(worker) <= 1000         # (the 1,000 tokens take 100 ms)
+    worker.polled_at = time.monotonic() - 0.05
+    assert 450 <= queued_prefill_tokens(worker) <= 500
+    worker.polled_at = time.monotonic() - 0.2
+    assert queued_prefill_tokens(worker) == 0
+    worker.tokens_in_flight = 300                                # this router's own prompt on it: it counts in full
+    assert queued_prefill_tokens(worker) == 300
 
 
 def test_selective_disaggregation_computes_short_prompts_on_the_decode_worker(tmp_path, fleet, reference):

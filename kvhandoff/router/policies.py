@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import heapq
 import statistics
+import time
 from typing import TYPE_CHECKING
 
 from kvhandoff.wire.cost import CostModel, ReuseWay, common_prefix_blocks
@@ -100,8 +101,15 @@ def uncached_tokens(worker: Worker, facts: PromptFacts, index: PrefixIndex) -> i
 
 
 def queued_prefill_tokens(worker: Worker) -> int:
-    """What it reported at its last poll, or what this router has on it now if that is more (sent since)."""
-    return max(int(worker.last_health.get("num_tokens_to_prefill") or 0), worker.tokens_in_flight)
+    """What it reported at its last poll less the share its own rates say it has computed since, or what
+    this router has on it now if that is more (sent since). Another router's prompts end unseen here: a
+    report taken while one was computed would otherwise keep an idle worker looking busy for up to a poll
+    interval, and send every prompt that it caches elsewhere (as CI's two-router test once saw)."""
+    reported = int(worker.last_health.get("num_tokens_to_prefill") or 0)
+    if reported > 0:
+        elapsed_ms = (time.monotonic() - worker.polled_at) * 1e3
+        reported = int(reported * max(0.0, 1.0 - elapsed_ms / max(cost_model(worker).prefill.ms(reported), 1e-3)))
+    return max(reported, worker.tokens_in_flight)
 
 
 def cost_model(worker: Worker) -> CostModel:

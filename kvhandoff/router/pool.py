@@ -49,6 +49,7 @@ class Worker:
     routed_since_poll: int = 0   # requests this router sent it since its last /health answer
     tokens_in_flight: int = 0    # prompt tokens of this router's requests it holds (when known)
     last_health: dict = field(default_factory=dict)
+    polled_at: float = 0.0       # monotonic time its last_health came
     instance: str | None = None  # the run of a worker that added itself (`serve --join`); a restart is another
     unreachable_since: float | None = None    # monotonic time of the first failed poll in a row
     rates_seen: tuple[dict, object] | None = None   # (the /health it was read from, its CostModel): policies.py
@@ -222,6 +223,7 @@ class WorkerPool:
             status, data = await upstream.call("GET", worker.url + "/health", timeout=2.0)
             worker.healthy, worker.unreachable_since = status == 200, None
             worker.last_health = data if isinstance(data, dict) else {}
+            worker.polled_at = time.monotonic()
             worker.routed_since_poll = 0
             worker.load = int(worker.last_health.get("num_running", 0)) + int(worker.last_health.get("num_waiting", 0))
             status = {"status": "ok" if worker.healthy else "error", **worker.last_health}
