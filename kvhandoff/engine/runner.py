@@ -32,9 +32,10 @@ class ModelRunner:
         shape = (cfg.num_layers, num_blocks, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
         if kv_memory is None and self.device.type == "cpu":
             # On huge pages where the kernel gives them: a decode step reads every sequence's blocks
-            # (16 sequences at 1,024 tokens of SmolLM2: 4-8% faster a step). Touched now, as
-            # torch.zeros did: the pool is committed at start, not page by page while serving.
-            self.kv_cache = kernels.streamed_memory(math.prod(shape), self.dtype).view(shape).zero_()
+            # (16 sequences at 1,024 tokens of SmolLM2: 4-8% faster a step). Committed while the
+            # worker starts, on a thread of its own: not page by page while serving, and not on
+            # the start's own path either (up to seconds on a VM: streamed_memory).
+            self.kv_cache = kernels.streamed_memory(math.prod(shape), self.dtype, populate=True).view(shape)
         elif kv_memory is None:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         else:   # caller-provided bytes, e.g. a shared-memory region registered with a transfer agent
