@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvhandoff.bench import workload as W
 from kvhandoff.bench.command import launch_spec
@@ -67,6 +68,24 @@ def test_a_decode_step_missed_only_at_the_client_is_put_down_to_the_relay():
         ("push decode step (after the 2nd token) / colocated-1core's", False),
         ("push decode worker's own step / colocated-1core's", False)]
     assert relay_explained(summary) == ["pull at 2048 tok"]       # (push's own step misses too: not the relay)
+
+
+def test_a_ttft_missed_by_the_prefills_own_compute_says_so():
+    """The handoff's TTFT cost less each side's own prefill queue and compute: a miss that is the
+    prefill's run-to-run spread is told apart from one the handoff's path adds."""
+    from kvhandoff.bench.client import RequestResult as Result
+    from kvhandoff.bench.disagg import Sample, compute_explained, overhead_ms, summarize_isolated
+    colocated = Result(ttft_ms=80.0, timings={"queue_ms": 0.5, "prefill_ms": 77.0})
+    computed_longer = Result(ttft_ms=86.0, handoff={"phases_ms": {"prefill_queue": 0.4, "prefill_compute": 82.0}})
+    path_longer = Result(ttft_ms=86.0, handoff={"phases_ms": {"prefill_queue": 0.4, "prefill_compute": 77.5}})
+    assert overhead_ms(colocated) == 2.5 and overhead_ms(computed_longer) == pytest.approx(3.6)
+    assert overhead_ms(Result(ttft_ms=86.0, handoff={"phases_ms": {}})) is None
+    samples = [Sample("colocated-1core", 0, 2048, colocated, 0.0), Sample("push", 0, 2048, computed_longer, 0.0),
+               Sample("pull", 0, 2048, path_longer, 0.0)]
+    summary = summarize_isolated(samples, ["colocated-1core", "pull", "push"], [2048])
+    assert summary["2048"]["push"]["overhead_delta_ms"] == pytest.approx(1.1)
+    assert summary["2048"]["pull"]["overhead_delta_ms"] == pytest.approx(5.6)
+    assert compute_explained(summary) == ["push at 2048 tok (+1.10 ms less compute)"]
 
 
 def test_bench_a_running_server_by_url(tiny_server, tmp_path):
