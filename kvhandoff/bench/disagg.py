@@ -231,7 +231,8 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
                 # the second token follows the first, and how much of the TTFT the phases account for
                 "ttft_delta_ms": med(ttft_delta),
                 # ... and the same less each side's own prefill compute and queue: what the handoff's
-                # path adds, apart from the prefill's run-to-run spread (the same engine on the same core)
+                # path adds, apart from how long the prefill itself took (a P/D prefill worker's compute
+                # ran 2-4% longer than colocated-1core's on the same core: README, bench.disagg)
                 "overhead_delta_ms": med(overhead_delta),
                 "second_token_ms": med([s.result.token_times_ms[1] - s.result.token_times_ms[0] for s in mine
                                         if len(s.result.token_times_ms) > 1]),
@@ -446,7 +447,8 @@ def print_isolated(summary: dict, goals: list[dict]) -> None:
     if computed:
         print(f"  TTFT: {', '.join(computed)} miss(es) the target, but what the handoff\n"
               "  adds less each side's own prefill queue and compute (-compute) is within it: the rest is the\n"
-              "  prefill's compute, which moves run to run on the same engine and core (prefill_compute in the JSON).")
+              "  prefill worker's own compute, longer than colocated-1core's on the same core (prefill_compute in\n"
+              "  the JSON; on a 2-core Zen 4, tiny at 2,048 tokens: +2-3 ms, push-layerwise +4-8 ms, cause not found).")
     relayed = relay_explained(summary)
     if relayed:
         print(f"  decode step: {', '.join(relayed)} miss(es) it as the client saw it, but the decode worker's own\n"
