@@ -201,9 +201,8 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
             base = {s.round: s for s in samples if s.stack == BASELINE_1CORE and s.target_len == length and s.result.ok}
             ttft_x = [s.result.ttft_ms / base[s.round].result.ttft_ms for s in mine if s.round in base]
             ttft_delta = [s.result.ttft_ms - base[s.round].result.ttft_ms for s in mine if s.round in base]
-            overhead_delta = [overhead_ms(s.result) - overhead_ms(base[s.round].result) for s in mine
-                              if s.round in base and overhead_ms(s.result) is not None
-                              and overhead_ms(base[s.round].result) is not None]
+            overheads = [(overhead_ms(s.result), overhead_ms(base[s.round].result)) for s in mine if s.round in base]
+            overhead_delta = [ours - theirs for ours, theirs in overheads if ours is not None and theirs is not None]
             tpot_x = [s.result.tpot_ms / base[s.round].result.tpot_ms for s in mine
                       if s.round in base and s.result.tpot_ms and base[s.round].result.tpot_ms]
             step_x = [step_ms(s.result) / step_ms(base[s.round].result) for s in mine
