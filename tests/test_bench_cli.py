@@ -72,7 +72,7 @@ def test_a_decode_step_missed_only_at_the_client_is_put_down_to_the_relay():
 
 def test_a_ttft_missed_by_the_prefills_own_compute_says_so():
     """The handoff's TTFT cost less each side's own prefill queue and compute: a miss that is the
-    prefill's run-to-run spread is told apart from one the handoff's path adds."""
+    prefill's own longer compute is told apart from one the handoff's path adds."""
     from kvhandoff.bench.client import RequestResult as Result
     from kvhandoff.bench.disagg import Sample, compute_explained, overhead_ms, summarize_isolated
     colocated = Result(ttft_ms=80.0, timings={"queue_ms": 0.5, "prefill_ms": 77.0})
