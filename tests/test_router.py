@@ -843,8 +843,12 @@ def check_router_timings(url: str, mode: str) -> None:
         assert abs(t["queue_ms"] + t["prefill_ms"] - t["ttft_ms"]) < 0.01 and t["ttft_ms"] <= t["total_ms"], t
         assert t["queue_ms"] >= phases["prefill_queue"] and t["prefill_ms"] >= phases["prefill_compute"], (t, phases)
         assert abs(t["decode_ms"] - (t["total_ms"] - t["ttft_ms"])) < 0.01, t
-        # The decode worker's own step, passed on: its 6 steps after the second token fit in its decode.
-        assert 0 < t["decode_step_ms"] and 6 * t["decode_step_ms"] <= t["decode_ms"], t
+        # The decode worker's own step, passed on: its 6 steps after the second token follow the prompt's
+        # compute and end before the last token reaches us. (Not within decode_ms: when the router sees the
+        # first token late, the decode worker's next tokens arrive in one burst behind it. CI saw 6 steps of
+        # 0.99 ms in a decode_ms of 2.35.)
+        assert 0 < t["decode_step_ms"], t
+        assert 6 * t["decode_step_ms"] + phases["prefill_compute"] <= t["total_ms"] + 0.01, (t, phases)
 
 
 CHAT_MESSAGES = [{"role": "system", "content": "You answer briefly."},

@@ -46,6 +46,15 @@ def test_the_model_is_deterministic_under_a_seed():
     assert run(7) != run(8)
 
 
+def test_a_requests_way_in_and_its_first_tokens_way_out_are_drawn_together():
+    """Each job's ingress and first-token delay come from one measured request: here they always add up
+    to 10 ms (drawn apart, a fourth of the jobs would get 0 and a fourth 20)."""
+    paired = costs(ingress_ms=[0.0, 10.0], first_token_ms=[10.0, 0.0])
+    done = Fleet(paired, 1, 2, "load", "early", seed=3).run(poisson_jobs(paired, 5.0, 40, 3))
+    ways = [d["ttft_ms"] - d["phases_ms"]["prefill_queue"] - d["phases_ms"]["prefill_compute"] for d in done]
+    assert len(ways) == 40 and all(w == pytest.approx(10.0) for w in ways), ways
+
+
 def test_policies_and_binding_as_the_router_routes():
     jobs = lambda: poisson_jobs(costs(), 20.0, 200, 1)
     blind = Fleet(costs(), 1, 2, "round-robin", "early").run(jobs())

@@ -110,8 +110,12 @@ class Costs:
     transfer_spread: Spread = field(default_factory=Spread)             # by MiB moved: measured - fitted ms
     step_spread: dict[str, list[float]] = field(default_factory=dict)    # decode worker URL -> TPOT / fitted
     # arrival at the router -> the prefill worker's engine has the request (the router's dispatch, the
-    # way there, parsing and tokenizing), as measured; the first token's delay is counted after it
+    # way there, parsing and tokenizing), as measured; the first token's delay is counted after it.
+    # Empty, or one per first_token_ms entry, the same request's (they are drawn as a pair).
     ingress_ms: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        assert self.first_token_ms and (not self.ingress_ms or len(self.ingress_ms) == len(self.first_token_ms))
 
     def to_json(self) -> dict:
         return asdict(self)
