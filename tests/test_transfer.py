@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from kvhandoff.transfer import (AuthenticationError, DescList, OutOfBoundsError,
 from kvhandoff.transfer.descriptors import plan
 from kvhandoff.transfer.memory import SHM_DIR, create_segment, open_segment, sweep_stale_segments
 from kvhandoff.transfer.nixl_backend import unavailable_reason
+from kvhandoff.transfer.protocol import LARGE_RECV, ConnectionLost, recv_into_buffers
 from kvhandoff.transfer.remote import RemoteAgent, RemoteError, digest
 
 pytestmark = pytest.mark.timeout(120)
@@ -490,3 +492,26 @@ def test_a_segment_is_mapped_in_before_its_first_use(kernel, monkeypatch):
         assert not ours.array.any()         # populating wrote nothing
     finally:
         ours.unlink()
+
+
+def test_scatter_receive_fills_small_and_large_buffers_in_order():
+    """recv_into_buffers: buffers under LARGE_RECV share a recvmsg_into, larger ones get recv_into calls
+    of their own; the bytes land in order however the sender cuts them, and a peer that closes halfway
+    through a large buffer is a ConnectionLost, not a short read."""
+    sizes = [3, LARGE_RECV - 1, LARGE_RECV, 5, 2 * LARGE_RECV + 11, 7, 7]
+    payload = np.random.default_rng(5).integers(0, 256, sum(sizes), dtype=np.uint8).tobytes()
+    a, b = socket.socketpair()
+    with a, b:
+        def trickle():
+            for i in range(0, len(payload), 40_000):      # pieces that cut across every buffer edge
+                a.sendall(payload[i:i + 40_000])
+        sender = threading.Thread(target=trickle)
+        sender.start()
+        buffers = [bytearray(n) for n in sizes]
+        recv_into_buffers(b, (memoryview(x) for x in buffers))
+        sender.join()
+        assert b"".join(buffers) == payload
+        a.sendall(payload[:LARGE_RECV // 2])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionLost):
+            recv_into_buffers(b, [memoryview(bytearray(LARGE_RECV))])

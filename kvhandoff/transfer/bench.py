@@ -28,7 +28,7 @@ import numpy as np
 
 from kvhandoff.transfer.descriptors import DescList
 from kvhandoff.transfer.memory import SHM_DIR, huge_page_share, open_segment, tmpfs_huge
-from kvhandoff.transfer.protocol import send_buffers, tune
+from kvhandoff.transfer.protocol import recv_filling, send_buffers, tune
 
 KIB, MIB = 1 << 10, 1 << 20
 BLOCK_SIZES = (16 * KIB, 256 * KIB, 4 * MIB)
@@ -70,19 +70,10 @@ def serve_stream(total: int, block: int) -> int:
                 if command == b"g":
                     send_buffers(conn, blocks)
                 else:
-                    _recv_all(conn, sink)
+                    recv_filling(conn, sink)
                     conn.sendall(b"k")
     threading.Thread(target=serve, name="bench-stream", daemon=True).start()
     return listener.getsockname()[1]
-
-
-def _recv_all(sock: socket.socket, buf: memoryview) -> None:
-    got, n = 0, len(buf)
-    while got < n:
-        k = sock.recv_into(buf[got:])
-        if k == 0:
-            raise ConnectionError("stream peer closed")
-        got += k
 
 
 class StreamClient:
@@ -99,7 +90,7 @@ class StreamClient:
         """Seconds to receive `total` bytes the target gathers and sends (a READ's direction)."""
         t0 = time.perf_counter()
         self.sock.sendall(b"g")
-        _recv_all(self.sock, self.buf)
+        recv_filling(self.sock, self.buf)
         return time.perf_counter() - t0
 
     def push(self) -> float:
