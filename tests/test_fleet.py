@@ -112,9 +112,8 @@ class Streams:
 
 def worker_urls(router_url: str) -> dict[str, str]:
     """role-index name -> URL, in the order `up` names them (from the router's own list)."""
-    workers = httpx.get(router_url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
     names, count = {}, {"prefill": 0, "decode": 0}
-    for w in workers:
+    for w in admin_workers(router_url):
         names[f"{w['role']}-{count[w['role']]}"] = w["url"]
         count[w["role"]] += 1
     return names
@@ -300,8 +299,7 @@ def polled(router_url: str) -> None:
     """Until a poll of every worker (its step time, pool size) has landed in the router, and it follows
     every worker's KV events with a tokenizer to look prompts up (kvhandoff/router/kv_feed.py)."""
     def landed() -> bool:
-        workers = httpx.get(router_url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
-        return all(w["num_free_blocks"] is not None for w in workers)
+        return all(w["num_free_blocks"] is not None for w in admin_workers(router_url))
     wait_until(landed, "the router has not polled every worker", timeout=20)
     indexed(router_url)
 
@@ -629,8 +627,15 @@ def test_up_restarts_a_killed_prefill_worker_in_push_mode(tmp_path, reference):
     stack = up(tmp_path, "push", "--prefill", "2", "--prefill-args=--inject-faults step_ms=30")
     try:
         victim = worker_urls(stack.url)["prefill-1"]
+        # Both prefill workers in rotation first: the prompts are sent once, and a worker the router
+        # did not count healthy when they came would get none of them (CI once waited 60 s for that).
+        wait_until(lambda: all(w["healthy"] for w in admin_workers(stack.url)), "a worker is not healthy", 30)
         streams = Streams(stack.url)
-        wait_until(lambda: in_flight(stack.url, victim) > 0, "no request reached prefill-1", timeout=60)
+        try:
+            wait_until(lambda: in_flight(stack.url, victim) > 0, "no request reached prefill-1", timeout=60)
+        except AssertionError:
+            raise AssertionError(f"no request reached prefill-1; the router's workers: {admin_workers(stack.url)}"
+                                 f"\n{stack.text()[-3000:]}") from None
         os.kill(child_pids(stack)["prefill-1"], signal.SIGKILL)
         hit = 0
         for (status, text, error, handoff), expected in zip(streams.results(), reference[TOKENS]):
@@ -646,9 +651,12 @@ def test_up_restarts_a_killed_prefill_worker_in_push_mode(tmp_path, reference):
         assert stack.stop() == 0, stack.text()[-3000:]
 
 
+def admin_workers(router_url: str) -> list[dict]:
+    return httpx.get(router_url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
+
+
 def in_flight(router_url: str, url: str) -> int:
-    workers = httpx.get(router_url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
-    return next(w["in_flight"] for w in workers if w["url"] == url)
+    return next(w["in_flight"] for w in admin_workers(router_url) if w["url"] == url)
 
 
 def test_up_restarts_a_dead_colocated_worker_and_gives_up_a_crash_loop(tmp_path):
