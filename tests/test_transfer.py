@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvhandoff.model import pages
 from kvhandoff.transfer import (AuthenticationError, DescList, OutOfBoundsError, PeerError, TransferAgent,
-                                TransferError, XferState, memory)
+                                TransferError, XferState)
 from kvhandoff.transfer.descriptors import plan
 from kvhandoff.transfer.memory import SHM_DIR, create_segment, open_segment, sweep_stale_segments
 from kvhandoff.transfer.nixl_backend import unavailable_reason
@@ -480,7 +481,7 @@ def test_a_segment_is_mapped_in_before_its_first_use(kernel, monkeypatch):
     compute or a copy on the request's path): every mapping, ours and a peer's, is populated at once in
     the background (on a kernel before 5.14, which refuses the advice, by reading every page)."""
     if kernel == "without it":
-        monkeypatch.setattr(memory, "MADV_POPULATE_WRITE", 9999)     # an advice every kernel refuses
+        monkeypatch.setattr(pages, "MADV_POPULATE_WRITE", 9999)     # an advice every kernel refuses
     nbytes = 8 << 20
     ours = create_segment("prefault-test", nbytes)
     try:

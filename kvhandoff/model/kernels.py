@@ -34,7 +34,6 @@ import os
 import platform
 import shutil
 import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from torch import nn
 
 from kvhandoff.model import paired_kv
 from kvhandoff.model.build_cache import cached_build
+from kvhandoff.model.pages import populate_in_background
 
 log = logging.getLogger(__name__)
 
@@ -234,21 +234,8 @@ def streamed_memory(numel: int, dtype: torch.dtype, populate: bool = False) -> t
     raw = np.frombuffer(region, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
     if populate:
-        threading.Thread(target=_populate, args=(raw, start, nbytes), name="kvh-populate",
-                         daemon=True).start()
+        populate_in_background(raw[start:start + nbytes], read_fallback=False)
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype)
-
-
-MADV_POPULATE_WRITE = 23        # Linux 5.14+: fault every page in, writable, without touching its bytes
-
-
-def _populate(raw: np.ndarray, start: int, nbytes: int) -> None:
-    """madvise(MADV_POPULATE_WRITE) through ctypes (so without the GIL; `raw` keeps the mapping alive
-    meanwhile). It leaves the bytes alone, so the engine may write the memory meanwhile; before Linux
-    5.14 pages fault in on first use instead."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(raw.ctypes.data + start), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) != 0:
-        log.debug("madvise(MADV_POPULATE_WRITE): %s; pages fault in on first use", os.strerror(ctypes.get_errno()))
 
 
 def pack_vnni(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

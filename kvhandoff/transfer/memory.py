@@ -15,7 +15,7 @@ VM copying 256 KiB blocks between such pages measured at about half the speed of
 or remount /dev/shm with huge=advise (we madvise every mapping), and the shm backend runs at memcpy
 speed.
 
-Every mapping is populated in the background as soon as it exists (`prefault`): a page of a tmpfs
+Every mapping is populated in the background as soon as it exists (model/pages.py): a page of a tmpfs
 mapping costs ~1.7 us of the toucher's time on its first access (a minor fault), ~0.45 ms per MiB,
 which the prefill's compute (writing its KV into the pool), a copy and the decode's landing would
 otherwise pay on the request's critical path until the whole pool had been used once, where a
@@ -23,18 +23,16 @@ colocated engine's pool (torch.zeros) was touched when it was made.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import logging
 import mmap
 import os
 import re
 import secrets
-import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvhandoff.model.pages import populate_in_background
 
 SHM_DIR = "/dev/shm"
 PREFIX = "kvh."
@@ -152,7 +150,7 @@ def create_segment(tag: str, nbytes: int, directory: str = SHM_DIR) -> Segment:
     finally:
         os.close(fd)
     array = np.frombuffer(mapping, dtype=np.uint8)
-    prefault(array)
+    populate_in_background(array, read_fallback=True)
     return Segment(directory, name, nbytes, array, (st.st_dev, st.st_ino), owned=True)
 
 
@@ -171,7 +169,7 @@ def open_segment(directory: str, name: str, dev_ino: tuple[int, int], min_bytes:
     finally:
         os.close(fd)
     array = np.frombuffer(mapping, dtype=np.uint8)
-    prefault(array)
+    populate_in_background(array, read_fallback=True)
     return Segment(directory, name, st.st_size, array, tuple(dev_ino), owned=False)
 
 
@@ -222,25 +220,6 @@ def _map(fd: int, nbytes: int) -> mmap.mmap:
     except (AttributeError, OSError):
         pass
     return mapping
-
-
-MADV_POPULATE_WRITE = 23        # Linux 5.14+: fault every page in, writable, without touching its bytes
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-log = logging.getLogger("kvhandoff.transfer")
-
-
-def prefault(array: np.ndarray) -> None:
-    """Map every page of a segment's mapping now, on a thread of its own (through ctypes, so without
-    the GIL: ~0.2 s for 512 MiB, which must not stall anyone). On a kernel without
-    MADV_POPULATE_WRITE (before 5.14), by reading a byte of every page (a read fault maps a page of a
-    shared writable mapping writable), which numpy does without the GIL."""
-    def populate() -> None:
-        if _libc.madvise(array.ctypes.data, array.nbytes, MADV_POPULATE_WRITE) != 0:
-            log.debug("madvise(MADV_POPULATE_WRITE): %s; reading every page instead",
-                      os.strerror(ctypes.get_errno()))
-            array[::mmap.PAGESIZE].max()
-    threading.Thread(target=populate, name="kvh-prefault", daemon=True).start()
 
 
 def sweep_stale_segments(pid: int | None = None, directory: str = SHM_DIR) -> list[str]:
