@@ -5,6 +5,7 @@ they were sent leaves a block behind, and control messages naming a live handoff
 request's answer wrong."""
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -15,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ServerProcess, prefill_handoff, start_servers
+from kvhandoff.transfer.agent import TransferAgent
 from kvhandoff.wire.auth import control_headers
-from kvhandoff.wire.messages import PROTOCOL_VERSION
+from kvhandoff.wire.messages import PROTOCOL, PROTOCOL_VERSION
 from test_router import ROUTER_READY, Proc
 
 SECRET = "fuzz-secret"
@@ -111,7 +113,7 @@ def test_public_endpoints_leave_nothing_behind(public):
     assert h["num_free_blocks"] == h["num_blocks"] and h["status"] == "ok"
 
 
-CONTROL_PATHS = ["/kv/register", "/kv/rebind", "/kv/release", "/kv/cancel", "/kv/failed", "/kv/retained/lease",
+CONTROL_PATHS = ["/kv/rebind", "/kv/release", "/kv/cancel", "/kv/failed", "/kv/retained/lease",
                  "/kv/retained/release", "/kv/retained/find", "/kv/prompt"]
 control_bodies = st.one_of(values, st.fixed_dictionaries({}, optional={
     "handoff_id": st.one_of(st.text(max_size=12), values), "retention_id": st.one_of(st.text(max_size=12), values),
@@ -139,6 +141,56 @@ def test_control_endpoints_never_5xx(workers, path, body, role):
 def test_kv_transfer_params_never_5xx(workers, params, role):
     body = {"model": "tiny", "prompt": "alpha bravo charlie", "max_tokens": 2, "kv_transfer_params": params}
     assert_sane(post(workers[role].url, "/v1/completions", body, HEADERS))
+
+
+@st.composite
+def registrations(draw) -> dict:
+    """A push registration of typed, often out-of-range fields, one or two of them (or none) replaced
+    by anything: most reach the checks behind the parser."""
+    note = {"kind": "register", "handoff_id": draw(st.text(max_size=8)),
+            "mode": draw(st.sampled_from(["push", "push-layerwise"])), "decode_worker": "d", "agent_metadata": "self",
+            "block_ids": draw(st.lists(st.integers(-5, 300), max_size=5)), "pool_blocks": draw(st.integers(-3, 400)),
+            "num_kv_tokens": draw(st.integers(-3, 100)), "prompt_hash": "x", "ttl_ms": draw(st.floats(allow_nan=True)),
+            "skip_blocks": draw(st.integers(-2, 6)), "binding": draw(st.integers(-2, 3))}
+    for field in draw(st.lists(st.sampled_from(sorted(note)), max_size=2, unique=True)):
+        note[field] = draw(values)
+    return note
+
+
+# Any other notification, however malformed.
+notes = st.one_of(values, st.fixed_dictionaries({"kind": st.one_of(st.sampled_from(
+    ["failed", "cancel", "renew", "release", "done", "progress", "withdrawn"]), values)}, optional={
+    "handoff_id": st.one_of(st.text(max_size=8), values), "reason": values, "checksums": values, "first_token": values}))
+
+
+@pytest.fixture(scope="module")
+def stand_in(workers):
+    """An agent of the deployment connected to the prefill worker's, as a decode worker's is."""
+    info = httpx.get(f"{workers['prefill'].url}/kv/info", headers=HEADERS, timeout=10).json()
+    with TransferAgent(f"fuzz-{uuid.uuid4().hex[:8]}", SECRET, protocol=PROTOCOL) as agent:
+        yield agent, agent.add_peer(base64.b64decode(info["agent_metadata"]))
+
+
+@FUZZ
+@given(note=st.one_of(registrations(), notes))
+def test_notifications_from_a_peer_never_break_a_worker(workers, stand_in, note):
+    """What an authenticated peer's agent sends (a push registration among them) is checked like any
+    control message: dropped or refused, never a dead worker or a held block."""
+    agent, prefill = stand_in
+    if isinstance(note, dict) and note.get("agent_metadata") == "self":
+        note["agent_metadata"] = base64.b64encode(agent.metadata()).decode()
+    agent.send_notification(prefill, json.dumps(note, allow_nan=True).encode())
+    assert workers["prefill"].health()["status"] == "ok"
+
+
+def test_refused_registrations_were_answered(stand_in):
+    """(After the fuzzing above.) Registrations that parsed but could not stand were answered
+    `failed` with the reason, as a decode worker needs to free its blocks at once."""
+    agent, _ = stand_in
+    time.sleep(0.5)
+    answers = [json.loads(raw) for _, raw in agent.get_notifications()]
+    refused = [a for a in answers if a["kind"] == "failed" and "registration refused" in a["reason"]]
+    assert len(refused) >= 10, answers[:20]
 
 
 def test_control_fuzzing_leaves_nothing_behind(workers):

@@ -3,6 +3,8 @@ every mode reproduces colocated greedy output; failures recompute (or error) and
 The router's part is in test_router.py; here the test plays the router."""
 from __future__ import annotations
 
+import base64
+import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -13,8 +15,10 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, prefill_answer, prefill_handoff, start_servers
+from kvhandoff.transfer.agent import TransferAgent
+from kvhandoff.transfer.errors import PeerError
 from kvhandoff.wire.auth import control_headers
-from kvhandoff.wire.messages import PROTOCOL_VERSION
+from kvhandoff.wire.messages import PROTOCOL, PROTOCOL_VERSION
 
 SECRET = "test-deployment-secret"
 HEADERS = control_headers(SECRET)
@@ -130,6 +134,31 @@ def test_every_mode_matches_colocated_in_bf16(tmp_path):
         assert all(server.health()["dtype"] == "bfloat16" for server in started.values())
 
 
+@contextmanager
+def stand_in(worker: ServerProcess, protocol: str = PROTOCOL):
+    """An agent of the deployment connected to `worker`'s, as a decode worker's is: (agent, peer)."""
+    info = httpx.get(f"{worker.url}/kv/info", headers=HEADERS, timeout=10).json()
+    with TransferAgent(f"stand-in-{uuid.uuid4().hex[:8]}", SECRET, protocol=protocol) as agent:
+        yield agent, agent.add_peer(base64.b64decode(info["agent_metadata"]))
+
+
+def registration(agent: TransferAgent, handoff_id: str, **fields) -> dict:
+    """A push registration notification naming `agent` as the decode worker's."""
+    return {"kind": "register", "handoff_id": handoff_id, "mode": "push", "decode_worker": agent.name,
+            "agent_metadata": base64.b64encode(agent.metadata()).decode(), "block_ids": [0], "pool_blocks": 8,
+            "num_kv_tokens": 1, "prompt_hash": "x", "ttl_ms": 1000, **fields}
+
+
+def answer_to(agent: TransferAgent, handoff_id: str, timeout: float = 10) -> dict:
+    """The next notification `agent` receives about `handoff_id`."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        received = agent.wait_notification(left)
+        if received is not None and json.loads(received[1]).get("handoff_id") == handoff_id:
+            return json.loads(received[1])
+    raise AssertionError(f"no notification about {handoff_id} in {timeout} s")
+
+
 def test_handoffs_need_the_control_token(workers):
     request = body(PROMPTS[0], kv_transfer_params={"protocol_version": PROTOCOL_VERSION, "handoff_id": "x", "mode": "pull", "role": "prefill"})
     r = httpx.post(f"{workers['prefill'].url}/v1/completions", json=request, timeout=30)
@@ -155,28 +184,29 @@ def test_another_protocol_version_is_refused(workers):
                        json={**body(PROMPTS[0]), "kv_transfer_params": params})
         assert r.status_code == 400 and "version 1" in r.json()["error"]["message"] and \
             f"speaks {PROTOCOL_VERSION}" in r.json()["error"]["message"], r.text
+    # A decode worker of another version cannot register: its agent and ours do not connect (the
+    # handshake's own refusal of a peer that hides its version: test_transfer.py).
+    with pytest.raises(PeerError, match=f"speaks protocol '{PROTOCOL}', this agent 'kvhandoff-handoff/1'"):
+        with stand_in(workers["prefill"], protocol="kvhandoff-handoff/1"):
+            pass
     info = httpx.get(f"{workers['decode'].url}/kv/info", headers=HEADERS, timeout=10).json()
-    registration = {"handoff_id": "v1-reg", "mode": "push", "decode_worker": "d", "agent_metadata": info["agent_metadata"],
-                    "block_ids": [0], "pool_blocks": 8, "num_kv_tokens": 1, "prompt_hash": "x", "ttl_ms": 1000,
-                    "protocol_version": 1}
-    r = httpx.post(f"{workers['prefill'].url}/kv/register", headers=HEADERS, json=registration, timeout=10)
-    assert r.status_code == 400 and "version 1" in r.json()["error"]["message"], r.text
     assert info["protocol_version"] == PROTOCOL_VERSION
     assert httpx.post(f"{workers['prefill'].url}/v1/completions", json=body("still serving"), timeout=30).status_code == 200
 
 
 def test_block_ids_outside_the_pool_they_name_are_refused(workers):
     """Block ids travel with their pool's size (a layer-major pool places a block by it): an id
-    outside that pool, or a pool of no blocks, is a 400 that says so, on either side, before any
-    transfer; the workers go on serving."""
-    info = httpx.get(f"{workers['decode'].url}/kv/info", headers=HEADERS, timeout=10).json()
-    for pool_blocks, block_ids, why in ((4, [1, 4], "names block 4, outside its pool of 4 blocks"),
-                                        (0, [0], "names a pool of 0 blocks")):
-        registration = {"handoff_id": f"bad-pool-{pool_blocks}", "mode": "push", "decode_worker": "d",
-                        "agent_metadata": info["agent_metadata"], "block_ids": block_ids, "pool_blocks": pool_blocks,
-                        "num_kv_tokens": 40, "prompt_hash": "x", "ttl_ms": 1000, "protocol_version": PROTOCOL_VERSION}
-        r = httpx.post(f"{workers['prefill'].url}/kv/register", headers=HEADERS, json=registration, timeout=10)
-        assert r.status_code == 400 and f"the registration {why}" in r.json()["error"]["message"], r.text
+    outside that pool, or a pool of no blocks, is refused with a reason that says so, on either side,
+    before any transfer (a registration, which travels between the agents, is answered `failed`;
+    the decode leg's handoff object is a 400); the workers go on serving."""
+    with stand_in(workers["prefill"]) as (agent, prefill):
+        for pool_blocks, block_ids, why in ((4, [1, 4], "names block 4, outside its pool of 4 blocks"),
+                                            (0, [0], "names a pool of 0 blocks")):
+            handoff_id = f"bad-pool-{pool_blocks}"
+            agent.send_notification(prefill, json.dumps(registration(
+                agent, handoff_id, block_ids=block_ids, pool_blocks=pool_blocks, num_kv_tokens=40)).encode())
+            note = answer_to(agent, handoff_id)
+            assert note["kind"] == "failed" and f"the registration {why}" in note["reason"], note
     handoff, _ = disaggregated(workers["prefill"].url, workers["decode"].url, "pull", body(PROMPTS[1]))
     kv = {"handoff_id": "bad-pool-pull", "mode": "pull", "role": "decode", "protocol_version": PROTOCOL_VERSION,
           "remote": {**handoff, "block_ids": [handoff["pool_blocks"]] + handoff["block_ids"][1:]}}

@@ -23,8 +23,7 @@ DEC = "decode-agent"
 
 def registration(binding: int = 0, mode: Mode = Mode.PUSH, ttl_ms: float = 30_000) -> M.Registration:
     return M.Registration(handoff_id="h", mode=mode, decode_worker="decode-1", agent_metadata="", block_ids=[1, 2],
-                          pool_blocks=8, num_kv_tokens=40, prompt_hash="p", ttl_ms=ttl_ms,
-                          protocol_version=M.PROTOCOL_VERSION, binding=binding)
+                          pool_blocks=8, num_kv_tokens=40, prompt_hash="p", ttl_ms=ttl_ms, binding=binding)
 
 
 def job(phase: S.Phase, **fields) -> S.Job:

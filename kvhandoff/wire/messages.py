@@ -4,7 +4,7 @@ One msgspec Struct per message and direction. Every message that arrives goes th
 which checks types strictly (a bool is not an int, a string is not a number) and turns anything
 malformed into a MessageError naming the field, which the HTTP side answers with 400. A peer of
 another protocol version is refused where it first shows: the transfer agents' handshake (the agent
-is created with PROTOCOL as its protocol name), `kv_transfer_params` and the push registration.
+is created with PROTOCOL as its protocol name) and `kv_transfer_params`.
 
 Notifications between transfer agents are a tagged union (`kind`); `decode_notification` returns
 the right Struct, and receivers dispatch on its type.
@@ -29,8 +29,9 @@ from kvhandoff.wire.modes import ROLES, Mode, Role
 # 6: a bf16 block keeps each head's K and V in the paired layouts (model/paired_kv.py, issue 25):
 # same bytes, other meaning again. 7: the pool is layer-major (a block is a range per layer, placed by
 # the pool's size), so the messages that name a worker's blocks carry its pool's size (pool_blocks);
-# a block's checksum is CRC-32C, over its layers in order.
-PROTOCOL_VERSION = 7
+# a block's checksum is CRC-32C, over its layers in order. 8: a push registration travels between the
+# agents (a notification), no longer as an HTTP request (issue 46).
+PROTOCOL_VERSION = 8
 PROTOCOL = f"kvhandoff-handoff/{PROTOCOL_VERSION}"     # the transfer agents' handshake compares it
 # Per-request phases every handoff object reports, in ms (docs/HANDOFF.md): the one definition.
 PHASES = ("prefill_queue", "prefill_compute", "handoff_wait", "transfer", "decode_queue", "first_step")
@@ -188,23 +189,7 @@ def params(handoff_id: str, mode: Mode, role: Role, colocated: bool = False, **f
 
 
 # ---------------------------------------------------------------------------------------------------
-# Worker -> worker over HTTP (control token required)
-
-class Registration(Message):
-    """Push: decode -> prefill `/kv/register`: where the handoff's KV must be written."""
-    handoff_id: str
-    mode: Mode
-    decode_worker: str
-    agent_metadata: str
-    block_ids: list[int]                # every block of the prompt's KV on the decode side
-    pool_blocks: int                    # how many blocks the decode worker's pool holds (kv_layout.py)
-    num_kv_tokens: int
-    prompt_hash: str
-    ttl_ms: float                       # the timing rule (push.py): WRITEs start within one ttl of decode's last word
-    protocol_version: int
-    skip_blocks: int = 0                # leading blocks decode holds already (its prefix cache): not written
-    binding: int = 0                    # from the decode worker's params: a registration of another binding is refused
-
+# Router or worker -> worker over HTTP (control token required)
 
 class Rebind(Message):
     """Router -> prefill `/kv/rebind` (late-bound push): the handoff goes to a new decode worker,
@@ -407,6 +392,24 @@ class _Note(msgspec.Struct, tag_field="kind"):
     pass
 
 
+class Registration(_Note, tag="register"):
+    """Push, decode -> prefill: where the handoff's KV must be written. (Over the agents' connection,
+    authenticated at its handshake, which also refused a peer of another protocol version: as an HTTP
+    request it cost the prefill's core ~0.7 ms of parsing while the prompt computed, issue 46.) A
+    refusal comes back as Failed, or Withdrawn when the router moved the handoff elsewhere."""
+    handoff_id: str
+    mode: Mode
+    decode_worker: str
+    agent_metadata: str
+    block_ids: list[int]                # every block of the prompt's KV on the decode side
+    pool_blocks: int                    # how many blocks the decode worker's pool holds (kv_layout.py)
+    num_kv_tokens: int
+    prompt_hash: str
+    ttl_ms: float                       # the timing rule (push.py): WRITEs start within one ttl of decode's last word
+    skip_blocks: int = 0                # leading blocks decode holds already (its prefix cache): not written
+    binding: int = 0                    # from the decode worker's params: a registration of another binding is refused
+
+
 class Done(_Note, tag="done"):
     """Push, prefill -> decode, riding on the last WRITE: the KV is whole; these are its checksums."""
     handoff_id: str
@@ -452,7 +455,7 @@ class Unlease(_Note, tag="unlease"):
     lease_id: str
 
 
-Notification = Union[Done, Failed, Release, Renew, Progress, Cancel, Withdrawn, Unlease]
+Notification = Union[Registration, Done, Failed, Release, Renew, Progress, Cancel, Withdrawn, Unlease]
 
 
 def decode_notification(raw: bytes) -> Notification:

@@ -7,7 +7,8 @@ thread only records, posts or queues; the waiting happens here.
 - the housekeeper: every protocol's timers (leases, deadlines, keep-alives, tombstones, set-aside
   blocks), every HOUSEKEEPING_S.
 - `blocking`: handshakes and checksums for the HTTP side, in a pool of their own, so that nothing else
-  queued in asyncio's default executor can delay a registration.
+  queued in asyncio's default executor can delay them; a registration from a decode worker not yet
+  connected to waits for its handshake there too (`soon`), not on the mailbox's receiver thread.
 """
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ class Chores:
     async def blocking(self, fn: Callable, *args):
         """Run a blocking call (a handshake, checksums) off the event loop, in this pool."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def soon(self, fn: Callable, *args) -> None:
+        """Run a blocking call in this pool from any thread, for its effects: what it raises is logged."""
+        def log_failure(future) -> None:
+            if future.exception() is not None:
+                log.error("%r failed", fn, exc_info=future.exception())
+        self.pool.submit(fn, *args).add_done_callback(log_failure)
 
     def start(self) -> None:
         self.writer.start()

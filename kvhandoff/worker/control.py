@@ -1,5 +1,5 @@
-"""Authenticated HTTP from this worker to another: a push decode worker's /kv/info and /kv/register,
-a bidirectional prefill's /kv/retained/lease. Bodies are the typed messages (wire/messages.py)."""
+"""Authenticated HTTP from this worker to another: a push decode worker's /kv/info (once per prefill
+worker), a bidirectional prefill's /kv/retained/lease. Bodies are the typed messages (wire/messages.py)."""
 from __future__ import annotations
 
 import httpx
@@ -20,7 +20,7 @@ JSON_HEADERS = {"content-type": "application/json"}
 
 
 class HTTPControl:
-    """The handoff's requests to other workers (/kv/info, /kv/register, /kv/retained/lease). Every
+    """The handoff's requests to other workers (/kv/info, /kv/retained/lease). Every
     failure to get an answer is a ConnectionError naming the worker."""
 
     def __init__(self, secret: bytes):

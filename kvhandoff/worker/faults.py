@@ -16,7 +16,7 @@ Enabled only by `kvhandoff serve --inject-faults SPEC`, never by default. SPEC i
 - `kill_at=PHASE`: the worker SIGKILLs itself (a crash: no cleanup, no goodbye) the first time one of
   its handoffs reaches PHASE:
   `registered`: prefill, push: a registration arrived; prefill, pull: the prompt's KV is pinned for a
-  reader. Decode, push: its registration was accepted; decode, pull: blocks reserved, READ not posted.
+  reader. Decode, push: its registration was sent; decode, pull: blocks reserved, READ not posted.
   `transfer`: the side that moves the bytes has posted its first WRITE (prefill, push) or READ
   (decode, pull) and not seen it finish.
   `decode`: decode side, a request has streamed KILL_AFTER_TOKENS tokens (the kill follows KILL_DELAY_S

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -138,17 +138,6 @@ class WorkerHandoff:
         hears it at once and frees the blocks it reserved."""
         self.handoff.prefill.of(kv.mode).refused(kv.handoff_id, reason)
 
-    async def register(self, request: Request) -> JSONResponse:
-        body = await control_body(request, self.secret)
-        try:
-            registration = M.parse(M.Registration, body, "registration")
-            M.check_version(registration.protocol_version, "the decode worker")
-            peer = await self.handoff.peers.peer(registration.agent_metadata)
-            self.handoff.prefill.push.register(registration, peer)
-        except (M.MessageError, HandoffError) as exc:
-            raise api_error(exc) from None
-        return JSONResponse({"status": "registered"})
-
     # ---- decode side ----------------------------------------------------------------------------
     async def submit_decode(self, kv: M.KVParams, stream: RequestStream, prompt_ids: list[int],
                             params: SamplingParams) -> None:
@@ -253,12 +242,6 @@ def attach_worker_routes(app: FastAPI, handoff: WorkerHandoff, server: Server) -
             return {"blocks": door.cached_blocks(),
                     "retained": sorted(retention.sessions) if retention is not None else []}
         return await asyncio.wrap_future(door.call(look))
-
-    @app.post("/kv/register")
-    async def kv_register(request: Request):
-        if prefill is None:
-            raise P.APIError(400, "registrations go to prefill workers")
-        return await handoff.register(request)
 
     @app.post("/kv/rebind")
     async def kv_rebind(request: Request):

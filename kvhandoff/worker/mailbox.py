@@ -37,8 +37,9 @@ class Mailbox:
         assert key not in self._handlers, f"two handlers for {kind.__name__} on {entry_type}"
         self._handlers[key] = handler
 
-    def notify(self, peer: str | None, note) -> None:
-        """Queue a notification for `peer`; never waits (the sender thread sends it)."""
+    def notify(self, peer: str | None, note, on_sent: Callable[[], None] | None = None) -> None:
+        """Queue a notification for `peer`; never waits (the sender thread sends it, then calls
+        `on_sent` if it went)."""
         if peer is None:
             return
         kind = type(note).__struct_config__.tag
@@ -47,7 +48,7 @@ class Mailbox:
             return
         if self.faults.delay_ms > 0:
             log.warning("fault injection: %s notification delayed %.0f ms", kind, self.faults.delay_ms)
-        self._outbox.put((time.monotonic() + self.faults.delay_ms / 1000, peer, note))
+        self._outbox.put((time.monotonic() + self.faults.delay_ms / 1000, peer, note, on_sent))
 
     def start(self) -> None:
         for thread in self._threads:
@@ -59,12 +60,15 @@ class Mailbox:
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
-            due, peer, note = item
+            due, peer, note, on_sent = item
             wait_until(due)
             try:
                 self.agent.send_notification(peer, M.encode(note))
             except Exception as exc:        # the peer is gone: its own watchdog covers it
                 log.info("notification %s to %s not sent: %s", type(note).__struct_config__.tag, peer, exc)
+                continue
+            if on_sent is not None:
+                on_sent()
 
     def _receive_loop(self) -> None:
         while not self._stop.is_set():

@@ -43,19 +43,18 @@ class Peers:
         its handshake on an executor thread. (Every handoff names its peer: the hop to a thread and back
         cost each one a thread wake-up and two GIL hand-offs, on the prefill's own core, while its
         prompt computed.)"""
+        return self.known(metadata_b64) or await self.chores.blocking(self.connect, metadata_b64)
+
+    def known(self, metadata_b64: str) -> str | None:
+        """The agent `metadata_b64` describes, if we are connected to it already (any thread)."""
         name = self._names.get(metadata_b64)
-        if name is not None and name in self.agent.peers:
-            return name
-        name = await self.chores.blocking(self.connect, metadata_b64)
-        if len(self._names) > 1024:        # (metadata of agents long gone)
-            self._names.clear()
-        self._names[metadata_b64] = name
-        return name
+        return name if name is not None and name in self.agent.peers else None
 
     def connect(self, metadata_b64: str) -> str:
         """Connect to (and authenticate) the agent described by `metadata_b64`. Blocking: call it
-        from an executor, never the engine thread. Concurrent first requests to one peer wait for a
-        single handshake: a second add_peer would replace the connection and fail its transfers."""
+        from a thread that may wait, never the engine thread. Concurrent first requests to one peer
+        wait for a single handshake: a second add_peer would replace the connection and fail its
+        transfers."""
         try:
             metadata = base64.b64decode(metadata_b64, validate=True)
             name = json.loads(metadata)["name"]
@@ -64,12 +63,16 @@ class Peers:
         with self._lock:
             peer_lock = self._locks.setdefault(name, threading.Lock())
         with peer_lock:
-            if name in self.agent.peers:
-                return name
-            try:
-                return self.agent.add_peer(metadata)
-            except Exception as exc:
-                raise HandoffError(f"cannot connect to the KV agent {name!r}: {exc}", 502) from None
+            if name not in self.agent.peers:
+                try:
+                    self.agent.add_peer(metadata)
+                except Exception as exc:
+                    raise HandoffError(f"cannot connect to the KV agent {name!r}: {exc}", 502) from None
+        with self._lock:
+            if len(self._names) > 1024:        # (metadata of agents long gone)
+                self._names.clear()
+            self._names[metadata_b64] = name
+        return name
 
     def metadata_b64(self) -> str:
         return base64.b64encode(self.agent.metadata()).decode()

@@ -3,7 +3,7 @@ protocol/arrival.py decide, this file does; layerwise.py extends the prefill sid
 
 The router picks the decode worker at arrival (early binding) and sends both legs at once. The
 decode worker reserves the destination blocks and registers them with the prefill worker
-(messages.Registration, POST /kv/register); the prefill's writer thread matches registration and
+(messages.Registration, a notification between their agents); the prefill's writer thread matches registration and
 computed prompt, in either order, WRITEs the blocks and sends Done (riding on the last WRITE) with
 the checksums and the first token; decode verifies and decodes. Push moves the same bytes as pull:
 it reorders the dependencies, so that preparing the destination overlaps the prompt's computation.
@@ -29,7 +29,7 @@ worker moved away from no longer speaks for the handoff.
 Failure edges (each end is told at once where the other side knows):
 - the WRITE fails: prefill sends Failed, decode recomputes (or fails, by policy).
 - the prompt fails or is refused on prefill: Failed to a registered decode worker; one that registers
-  later is refused (409) and told Failed; the router also reports it (/kv/failed).
+  later is told Failed; the router also reports it (/kv/failed).
 - a registration or a prompt whose other half never comes: dropped after 2 x --kv-timeout-s.
 - no Done within the deadline (prefill silent, or Done lost): decode sends Cancel, recomputes, and
   keeps the blocks aside until the timing rule says no WRITE can land.
@@ -59,7 +59,7 @@ from kvhandoff.worker.protocol import push_prefill as S
 from kvhandoff.worker.protocol.actions import AbortPrompt, Count, End, Notify, Refuse, ReleaseBlocks, Warn
 from kvhandoff.worker.reuse import FetchingPrefill
 
-MOVED, CANCELLED = S.MOVED, S.CANCELLED
+CANCELLED = S.CANCELLED
 log = logging.getLogger("kvhandoff.handoff")
 
 
@@ -102,6 +102,8 @@ class PushPrefill(FetchingPrefill):
         self.mail = mail
         mail.on(M.Renew, PushJob, lambda peer, note, job: self.step(job, S.Renewed(time.monotonic())))
         mail.on(M.Cancel, PushJob, lambda peer, note, job: self.step(job, S.Cancelled(by_peer=peer)))
+        for entry_type in (PushJob, None):      # (either order with the prompt)
+            mail.on(M.Registration, entry_type, lambda peer, note, entry: self.registration_arrived(note, peer))
         self.peers.on_lost(lambda peer, reason: [self.step(job, S.PeerLost(peer, reason))
                                                  for job in self.table.entries(PushJob)])
         self.chores.every_tick(self._tick)
@@ -202,20 +204,46 @@ class PushPrefill(FetchingPrefill):
         self.observe(out)
         return True
 
-    def register(self, registration: M.Registration, peer: str) -> None:
-        """A decode worker announces where the handoff's KV must go (either order with the prompt)."""
-        handoff_id = registration.handoff_id
+    def registration_arrived(self, registration: M.Registration, sender: str) -> None:
+        """Receiver thread: a decode worker's registration. Its agent is usually connected already (it
+        is ours to WRITE to); a first one's handshake waits on a thread of the pool instead, so that no
+        other notification waits behind it."""
+        peer = self.peers.known(registration.agent_metadata)
+        if peer is not None:
+            self._register_or_tell(registration, peer, sender)
+        else:
+            self.chores.soon(self._register_or_tell, registration, None, sender)
+
+    def _register_or_tell(self, registration: M.Registration, peer: str | None, sender: str) -> None:
         try:
-            job = self.table.get_or_add(handoff_id, lambda: PushJob(handoff_id))
-        except HandoffError:
-            self.mail.notify(peer, M.Failed(handoff_id=handoff_id, reason=self.table.ended(handoff_id) or "ended"))
-            raise
+            self._check(registration)
+            peer = peer or self.peers.connect(registration.agent_metadata)
+        except HandoffError as exc:
+            log.warning("handoff %s: registration from %s refused: %s", registration.handoff_id, sender, exc)
+            self.mail.notify(sender, M.Failed(handoff_id=registration.handoff_id, reason=f"registration refused: {exc}"))
+            return
+        try:
+            self.register(registration, peer)
+        except HandoffError as exc:     # (the decode worker was told: Failed, or Withdrawn if it was moved)
+            log.info("handoff %s: registration from %s refused: %s", registration.handoff_id, sender, exc)
+
+    def _check(self, registration: M.Registration) -> None:
         if not registration.ttl_ms > 0:
             raise HandoffError(f"ttl_ms must be a positive number of milliseconds, not {registration.ttl_ms!r}", 400)
         if not 0 <= registration.skip_blocks < len(registration.block_ids):
             raise HandoffError(f"skip_blocks must be a block index below the registered blocks, not "
                                f"{registration.skip_blocks!r}", 400)
         self.door.layout.checked_peer(registration.pool_blocks, registration.block_ids, "the registration")
+
+    def register(self, registration: M.Registration, peer: str) -> None:
+        """A checked registration, whose agent `peer` is connected: matched with its prompt (either
+        order). A refusal is raised, after the registering worker was told."""
+        handoff_id = registration.handoff_id
+        try:
+            job = self.table.get_or_add(handoff_id, lambda: PushJob(handoff_id))
+        except HandoffError:
+            self.mail.notify(peer, M.Failed(handoff_id=handoff_id, reason=self.table.ended(handoff_id) or "ended"))
+            raise
         # (A fault that kills the worker here must come before the step that may start the WRITE.)
         self.cfg.faults.reached("registered", handoff_id)
         self.step(job, S.Registered(registration, peer, time.monotonic()))
@@ -314,9 +342,8 @@ class PushDecode(DecodeSide):
 
     def __init__(self, *, mail: Mailbox, control, counters, **parts):
         super().__init__(**parts)
-        self.control, self.counters = control, counters
-        self.aio: asyncio.AbstractEventLoop | None = None
-        self._to_register: list[tuple[Incoming, str, M.Registration]] = []   # engine thread
+        self.mail, self.control, self.counters = mail, control, counters
+        self._to_register: list[tuple[Incoming, M.Registration]] = []   # engine thread
         self._prefill_peers: dict[str, str] = {}        # prefill URL -> its agent's peer name
         mail.on(M.Done, Incoming, self._last_word(lambda note, incoming: self._done(incoming, note)))
         # (A cancelled handoff: the router gave up on the request, and tells us too; nothing to recompute.)
@@ -344,11 +371,10 @@ class PushDecode(DecodeSide):
 
     async def decode(self, kv: M.PushDecodeParams, prompt_ids: list[int], params: SamplingParams, on_output) -> None:
         """Queue the request; once blocks are reserved it registers them with the prefill worker."""
-        self.aio = asyncio.get_running_loop()
         self.table.refuse_ended(kv.handoff_id)
         peer = await self._prefill_peer(kv.prefill_url)
         incoming = self.incoming(kv, len(prompt_ids), peer)
-        incoming.extra.update(prefill_url=kv.prefill_url, prompt_hash=M.prompt_hash(prompt_ids), binding=kv.binding)
+        incoming.extra.update(prompt_hash=M.prompt_hash(prompt_ids), binding=kv.binding)
         self.submit(kv, incoming, prompt_ids, params, on_output)
 
     async def _prefill_peer(self, url: str) -> str:
@@ -372,35 +398,22 @@ class PushDecode(DecodeSide):
             agent_metadata=self.peers.metadata_b64(), block_ids=incoming.block_ids,
             pool_blocks=self.door.layout.num_blocks, num_kv_tokens=incoming.num_kv_tokens,
             skip_blocks=incoming.skip_blocks, prompt_hash=incoming.extra["prompt_hash"],
-            ttl_ms=M.ms(self.cfg.kv_timeout_s), protocol_version=M.PROTOCOL_VERSION, binding=incoming.extra["binding"])
-        self._to_register.append((incoming, incoming.extra["prefill_url"], registration))
+            ttl_ms=M.ms(self.cfg.kv_timeout_s), binding=incoming.extra["binding"])
+        self._to_register.append((incoming, registration))
 
     def start_loads(self) -> None:
-        """Engine thread, worker half: hand this step's registrations to asyncio (never waits)."""
+        """Engine thread, worker half: this step's registrations go to their prefill workers' agents
+        (queued for the mailbox's sender: never waits). A refusal comes back as Failed or Withdrawn; a
+        prefill that dies first is seen by our agent (PeerLost)."""
         posting, self._to_register = self._to_register, []
-        for incoming, url, registration in posting:
-            self.aio.call_soon_threadsafe(asyncio.ensure_future, self._register(incoming, url, registration))
-
-    async def _register(self, incoming: Incoming, url: str, registration: M.Registration) -> None:
-        if incoming.state.phase.ended:
-            # Ended before its registration went out (the router reported the prefill failed, or
-            # cancelled): nobody will be asked to write into these blocks, so none stay set aside.
-            self.arrivals.settle(incoming.request_id)
-            return
-        try:
-            status, body = await self.control.post(url, "/kv/register", registration)
-        except ConnectionError as exc:
-            # It may or may not have arrived: keep the blocks aside until the push deadline passes.
-            self.arrivals.fail(incoming, f"registration with {url} failed: {exc}", settled=self.writer_gone(incoming))
-            return
-        if status >= 400:
-            error = (body.get("error") or {}) if isinstance(body, dict) else {}
-            # Moved away (late binding): the router has the request served elsewhere; nothing to recompute.
-            self.arrivals.fail(incoming, f"prefill refused the registration: {error.get('message') or status}",
-                               recompute=False if error.get("code") == MOVED else None)
-            self.arrivals.settle(incoming.request_id)     # refused: nothing will be written for it
-        else:
-            self.cfg.faults.reached("registered", incoming.handoff_id)
+        for incoming, registration in posting:
+            if incoming.state.phase.ended:
+                # Ended before its registration went out (the router reported the prefill failed, or
+                # cancelled): nobody will be asked to write into these blocks, so none stay set aside.
+                self.arrivals.settle(incoming.request_id)
+                continue
+            self.mail.notify(incoming.peer, registration,
+                             on_sent=lambda handoff_id=incoming.handoff_id: self.cfg.faults.reached("registered", handoff_id))
 
     def _done(self, incoming: Incoming, note: M.Done) -> None:
         incoming.checksums, incoming.first_token = note.checksums, note.first_token
