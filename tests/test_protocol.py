@@ -307,9 +307,25 @@ def test_layers_each_range_written_once():
 
 
 def test_layers_a_late_registration_catches_up():
-    """Committed at the third chunk: the blocks completed before it go at once, every layer."""
-    writes = plan_writes(320, 64, plan=L.Plan(skip_blocks=1), first_chunk=2)
-    assert writes[0] == (1, 4, 0, 4)            # blocks 1-3 (block 0 decode holds already), all layers
+    """Committed at the third chunk: the blocks completed before it go with that chunk's layers."""
+    big = L.Geometry(num_layers=30, layer_bytes=32 * 768 * 64, block_size=32)
+    writes = plan_writes(1000, 96, plan=L.Plan(skip_blocks=1), g=big, first_chunk=2)
+    assert writes[0] == (1, 9, 0, 5)            # blocks 1-8 (block 0 decode holds already), 5 layers at a time
+
+
+def test_layers_small_chunks_wait_for_a_mebibyte():
+    """Tiny's 2,048-token prompt in chunks of 512 KiB: each WRITE costs the prefill's core about the
+    same whatever its size, so a chunk under MIN_WRITE_BYTES waits for the next one's, and the last two
+    go in push's final WRITE (from the plan's first unsent block on)."""
+    tiny = L.Geometry(num_layers=4, layer_bytes=4096, block_size=16)
+    plan = L.Plan()
+    writes = []
+    for start in range(0, 2048, 512):
+        for layer in range(4):
+            plan, out = L.on_layer(plan, layer, start, start + 512, 2048, tiny)
+            writes += [(w.blocks.start, w.blocks.stop, w.first_layer, w.num_layers) for w in out]
+    assert writes == [(0, 64, 0, 4)]            # chunks 1 and 2, 1 MiB, after chunk 2's last layer
+    assert plan.first_unsent_block == 64
 
 
 def test_layers_group_carries_a_mebibyte():

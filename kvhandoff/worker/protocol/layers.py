@@ -4,8 +4,8 @@ written exactly once, when it is final, so writes never overlap and their order 
 
 - a chunk writes the blocks it completes: a block it only starts (the prompt goes on past the
   chunk) waits for the chunk that completes it;
-- a registration that arrives after some chunks (or layers) were computed catches up: the blocks
-  completed so far, all layers at once, then the current chunk's computed layers;
+- blocks not written yet (a chunk's too few to be worth a WRITE, or those computed before a late
+  registration) go with the next chunk's layers;
 - a prompt whose last chunk would go in one WRITE anyway leaves it to push's final WRITE, which
   covers whatever is left and carries Done.
 
@@ -20,8 +20,10 @@ LAYER_WRITES_PER_CHUNK = 6      # SmolLM2's 30 layers: 5 at a time
 # ... but no write under this many bytes: a WRITE costs ~0.2 ms of the prefill's core whatever its size
 # (descriptors, the writer thread taking the GIL from the engine's), about what copying 1 MiB through
 # shared memory takes. Measured (bench.disagg, tiny, 62 tokens: 4 writes of 31 KiB): layer-wise
-# prefill_compute 22.9 ms against push's 19.3. Where a whole chunk is under it, the chunk goes in one
-# WRITE after its last layer, and the prompt's last chunk in push's final WRITE (one fewer).
+# prefill_compute 22.9 ms against push's 19.3. Where a whole chunk is under it, the chunk waits for the
+# next chunk's WRITE, and the prompt's last chunk goes in push's final WRITE (one fewer). (Tiny at 2,048
+# tokens, four chunks of 512 KiB: 1 WRITE while it computes instead of 3; each had cost the prefill's
+# core ~0.5 ms, its writer's and copy thread's CPU, measured per thread, Zen 4.)
 MIN_WRITE_BYTES = 1 << 20
 
 
@@ -53,18 +55,15 @@ def on_layer(plan: Plan, layer: int, start: int, end: int, prompt_tokens: int, g
     """Layer `layer` of the chunk of tokens [start, end) of a `prompt_tokens` prompt is computed."""
     writes = []
     last = layer == g.num_layers - 1
+    blocks = range(plan.first_unsent_block, final_blocks(end, prompt_tokens, g.block_size))
     if plan.chunk_start != start:           # the first layer of this chunk we hear of
-        done = start // g.block_size        # blocks completed before it but not sent (registered late)
-        if done > plan.first_unsent_block:
-            writes.append(Write(range(plan.first_unsent_block, done), 0, g.num_layers))
-            plan = msgspec.structs.replace(plan, blocks_sent=done)
-        num_blocks = len(range(plan.first_unsent_block, final_blocks(end, prompt_tokens, g.block_size)))
-        plan = msgspec.structs.replace(plan, chunk_start=start, layers_sent=0, group=group(num_blocks, g))
+        plan = msgspec.structs.replace(plan, chunk_start=start, layers_sent=0, group=group(len(blocks), g))
     if layer + 1 - plan.layers_sent < plan.group and not last:
         return plan, writes
-    if last and plan.layers_sent == 0 and end >= prompt_tokens:
-        return msgspec.structs.replace(plan, chunk_start=None), writes      # the final WRITE takes the whole chunk
-    blocks = range(plan.first_unsent_block, final_blocks(end, prompt_tokens, g.block_size))
+    whole = last and plan.layers_sent == 0  # the chunk (and what waited for it) in one WRITE
+    if whole and (end >= prompt_tokens or len(blocks) * g.num_layers * g.layer_bytes < MIN_WRITE_BYTES):
+        # the final WRITE takes it, or the next chunk's
+        return msgspec.structs.replace(plan, chunk_start=None), writes
     if blocks:
         writes.append(Write(blocks, plan.layers_sent, layer + 1 - plan.layers_sent))
     plan = msgspec.structs.replace(plan, layers_sent=layer + 1)
