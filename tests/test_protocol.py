@@ -328,6 +328,32 @@ def test_layers_small_chunks_wait_for_a_mebibyte():
     assert plan.first_unsent_block == 64
 
 
+@pytest.mark.parametrize("g, prompt_tokens, chunk_tokens", [
+    (L.Geometry(num_layers=30, layer_bytes=32 * 768 * 64, block_size=32), 1000, 96),
+    (L.Geometry(num_layers=30, layer_bytes=16 * 1536, block_size=16), 1024, 512),     # SmolLM2's
+    (L.Geometry(num_layers=4, layer_bytes=4096, block_size=16), 2048, 512),          # tiny's
+    (GEOMETRY, 320, 64)])
+def test_layers_called_only_where_a_write_may_leave(g, prompt_tokens, chunk_tokens):
+    """The engine calls on_layer only after write_layers' layers (each call costs the engine's core):
+    the writes are the same as if it had heard of every layer."""
+    plan, sparse = L.Plan(skip_blocks=1), []
+    for start in range(0, prompt_tokens, chunk_tokens):
+        end = min(start + chunk_tokens, prompt_tokens)
+        for layer in sorted(L.write_layers(plan, end, prompt_tokens, g)):
+            plan, out = L.on_layer(plan, layer, start, end, prompt_tokens, g)
+            sparse += [(w.blocks.start, w.blocks.stop, w.first_layer, w.num_layers) for w in out]
+    assert sparse == plan_writes(prompt_tokens, chunk_tokens, plan=L.Plan(skip_blocks=1), g=g)
+    assert plan.first_unsent_block == plan_first_unsent(prompt_tokens, chunk_tokens, g)
+
+
+def plan_first_unsent(prompt_tokens: int, chunk_tokens: int, g: L.Geometry) -> int:
+    plan = L.Plan(skip_blocks=1)
+    for start in range(0, prompt_tokens, chunk_tokens):
+        for layer in range(g.num_layers):
+            plan, _ = L.on_layer(plan, layer, start, min(start + chunk_tokens, prompt_tokens), prompt_tokens, g)
+    return plan.first_unsent_block
+
+
 def test_layers_group_carries_a_mebibyte():
     assert L.group(1, GEOMETRY) == -(-L.MIN_WRITE_BYTES // GEOMETRY.layer_bytes)
     assert L.group(10_000, GEOMETRY) == 1       # 4 layers / 6 writes a chunk, rounded up

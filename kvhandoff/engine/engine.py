@@ -301,7 +301,7 @@ class LLMEngine:
                 chunk.request.timings.first_scheduled = now
         try:
             forward_started = time.perf_counter()
-            logits = self.runner.run(chunks, self.connector.on_layer)
+            logits = self.runner.run(chunks, self.connector.layer_hook(chunks))
             self.forward_s += time.perf_counter() - forward_started
         except Exception as exc:       # a failed forward must not take the server down or leak blocks
             log.exception("forward pass failed")

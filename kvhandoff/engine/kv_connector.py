@@ -9,7 +9,7 @@ Per step, in order (LLMEngine.step):
 2. scheduling; its remote-KV section reserves blocks for requests whose first `remote_tokens`
    come from elsewhere and calls `reserved(request, num_local_tokens)` for each (no I/O).
 3. `start_loads()`: the worker half posts what `reserved` recorded (a READ, a registration).
-4. the forward pass, calling `on_layer(layer, chunks)` after each layer.
+4. the forward pass, calling what `layer_hook(chunks)` returned (if anything) after each layer.
 5. `finished(request, out)` for every request that ended: True keeps its blocks (the connector then
    owns them, as Hold.PINNED under the request id, until it releases them through poll()).
 """
@@ -67,9 +67,10 @@ class KVConnector:
     def start_loads(self) -> None:
         """Post the transfers the reservations of this step need."""
 
-    # on_layer(layer, chunks): layer `layer` of this step's chunks has been computed (None: no
-    # per-layer hook, and the forward pass makes no call per layer).
-    on_layer: Callable[[int, list["ScheduledChunk"]], None] | None = None
+    def layer_hook(self, chunks: list["ScheduledChunk"]) -> Callable[[int], None] | None:
+        """Before this step's forward pass: what to call with each layer once that layer of the
+        step's chunks is computed (None: nothing, and the forward pass makes no call per layer)."""
+        return None
 
     def poll(self) -> KVEvents:
         return KVEvents()

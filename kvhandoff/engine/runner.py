@@ -42,9 +42,8 @@ class ModelRunner:
             self.kv_cache = kv_memory.view(self.dtype).view(shape)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk],
-            on_layer: Callable[[int, list[ScheduledChunk]], None] | None = None) -> torch.Tensor:
-        """Run one step, calling on_layer(layer, chunks) after each layer (layer-wise handoff).
+    def run(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run one step, calling layer_done(layer) after each layer (layer-wise handoff).
         Returns logits [n, vocab] for the chunks that sample a token, in the order they appear in
         `chunks`."""
         prefills = [c for c in chunks if c.num_new_tokens > 1]
@@ -68,7 +67,6 @@ class ModelRunner:
                              prefills=seqs, num_prefill_tokens=sum(c.num_new_tokens for c in prefills))
         if decodes:
             self._decode_metadata(meta, decodes)
-        layer_done = None if on_layer is None else (lambda layer: on_layer(layer, chunks))
         hidden = self.model(self._tensor(token_ids), self._tensor(positions), meta, self.kv_cache, layer_done)
         rows = [last_row[id(c)] for c in chunks if c.samples]
         if rows != list(range(hidden.shape[0])):        # (a decode-only step samples every row, in order)

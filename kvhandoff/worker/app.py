@@ -212,7 +212,7 @@ def build_handoff(role: Role, cfg: HandoffConfig, worker_name: str, agent: Trans
                              control=handoff.control, cfg=cfg) if cfg.bidirectional else None
         parts = dict(common, chores=chores, counters=counters, mail=mail, reuse=reuse)
         handoff.prefill = PrefillSides(PullPrefill(**parts), LayerwisePrefill(**parts), reuse)
-        connector = Connector(door, [], on_layer=handoff.prefill.push.on_layer)
+        connector = Connector(door, [], layers=handoff.prefill.push)
     else:
         assert role == Role.DECODE, role
         retention = None

@@ -7,10 +7,13 @@ from kvhandoff.worker.engine_door import EngineDoor
 
 
 class Connector(KVConnector):
-    def __init__(self, door: EngineDoor, loaders: list, on_layer=None):
+    def __init__(self, door: EngineDoor, loaders: list, layers=None):
         self.door = door
         self.loaders = loaders          # sides that post loads once per step (start_loads)
-        self.on_layer = on_layer        # layer-wise push: a prefill worker's only per-layer work
+        self.layers = layers            # layer-wise push (a prefill worker's): its per-layer work
+
+    def layer_hook(self, chunks):
+        return None if self.layers is None else self.layers.layer_hook(chunks)
 
     def reserved(self, request, num_local_tokens: int) -> None:
         side, entry = self.door.requests[request.request_id]

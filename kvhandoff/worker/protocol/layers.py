@@ -72,6 +72,13 @@ def on_layer(plan: Plan, layer: int, start: int, end: int, prompt_tokens: int, g
     return plan, writes
 
 
+def write_layers(plan: Plan, end: int, prompt_tokens: int, g: Geometry) -> set[int]:
+    """The layers of a chunk ending at token `end` after which on_layer may have a WRITE to give (the
+    last layer of each group, and the chunk's last): the only ones it needs to hear of."""
+    step = group(len(range(plan.first_unsent_block, final_blocks(end, prompt_tokens, g.block_size))), g)
+    return {*range(step - 1, g.num_layers - 1, step), g.num_layers - 1}
+
+
 def group(num_blocks: int, g: Geometry) -> int:
     """Layers a WRITE of this chunk carries: a share of them, and at least MIN_WRITE_BYTES."""
     return max(-(-g.num_layers // LAYER_WRITES_PER_CHUNK), -(-MIN_WRITE_BYTES // max(1, num_blocks * g.layer_bytes)))
