@@ -8,6 +8,7 @@ HandoffError into the HTTP error it names; the handoff's metrics.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
@@ -89,7 +90,8 @@ class WorkerHandoff:
         aio = asyncio.get_running_loop()
         first: asyncio.Future[RequestOutput] = aio.create_future()
         submitted: asyncio.Future[None] = aio.create_future()
-        task = asyncio.ensure_future(self.handoff.prefill.of(kv.mode).prefill(
+        side = self.handoff.prefill.of(kv.mode)
+        task = asyncio.ensure_future(side.prefill(
             kv, prompt_ids, params, on_submitted=lambda: submitted.done() or submitted.set_result(None),
             on_first=lambda out: first.done() or first.set_result(out)))
         streaming = False
@@ -101,7 +103,8 @@ class WorkerHandoff:
                 except HandoffError as exc:
                     raise api_error(exc) from None
                 raise AssertionError("a prefill answered without computing its prompt")
-            response = StreamingAnswer(self._answer(first, task, first_sse, started), "application/x-ndjson",
+            sent = functools.partial(side.first_token_sent, kv.handoff_id)
+            response = StreamingAnswer(self._answer(first, task, first_sse, started, sent), "application/x-ndjson",
                                        on_close=on_close)
             streaming = True
             return response
@@ -110,7 +113,7 @@ class WorkerHandoff:
                 task.cancel()           # the router left: the side frees what it holds
 
     async def _answer(self, first: asyncio.Future, task: asyncio.Task, first_sse: Callable[[RequestOutput], str],
-                      started: float) -> AsyncIterator[bytes]:
+                      started: float, sent: Callable[[], None]) -> AsyncIterator[bytes]:
         try:
             await asyncio.wait({first, task}, return_when=asyncio.FIRST_COMPLETED)
             if first.done():
@@ -121,6 +124,7 @@ class WorkerHandoff:
                 token = M.FirstToken(token_id=out.new_token_ids[0], text=out.new_text, sse=first_sse(out),
                                      phases_ms=phases)
                 yield b'{"first_token":' + M.encode(token) + b'}\n'
+                sent()                  # (resumed once the line was handed to the router's connection)
             try:
                 handoff = await task
             except HandoffError as exc:

@@ -365,6 +365,9 @@ class FetchingPrefill:
         self.door, self.table, self.arrivals, self.peers, self.chores = door, table, arrivals, peers, chores
         self.counters, self.cfg, self.worker_name, self.reuse = counters, cfg, worker_name, reuse
 
+    def first_token_sent(self, handoff_id: str) -> None:
+        """The prompt's first token is on its way to the router (push's final WRITE waits for it)."""
+
     async def compute(self, job, kv, prompt_ids: list[int], params: SamplingParams,
                       on_submitted: Callable[[], None]) -> tuple[RequestOutput, dict]:
         """(the prefill-only request's final output, the reuse fields of the answer); HandoffError if
