@@ -447,9 +447,9 @@ def print_isolated(summary: dict, goals: list[dict]) -> None:
         print(f"  TTFT: {', '.join(computed)} miss(es) the target, but what the handoff\n"
               "  adds less each side's own prefill queue and compute (-compute) is within it: the rest is the\n"
               "  prefill worker's own compute, longer than colocated-1core's on the same core (prefill_compute in\n"
-              "  the JSON; on a 2-core Zen 4, tiny at 2,048 tokens: +2-3 ms, push-layerwise +4-8 ms; in push-\n"
-              "  layerwise mostly its writer and copy threads, posting each chunk's WRITE on the prefill's core\n"
-              "  while the next chunk computes, the rest not yet found).")
+              "  the JSON; on a 2-core Zen 4, tiny at 2,048 tokens, medians of 5 runs: pull +0.0, push +0.5,\n"
+              "  push-layerwise +0.7 ms; the push modes' is their decode worker's registration arriving, and\n"
+              "  push-layerwise's its WRITE posted while the prompt computes, on the prefill's own core).")
     relayed = relay_explained(summary)
     if relayed:
         print(f"  decode step: {', '.join(relayed)} miss(es) it as the client saw it, but the decode worker's own\n"

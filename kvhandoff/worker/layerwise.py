@@ -3,8 +3,8 @@ layers and later chunks are still being computed, so that on a slow link the tra
 the prefill instead of following it. Everything else (registration, Done, failures) is push.py's;
 which (blocks, layers) each WRITE carries is protocol/layers.py's plan.
 
-After each layer of each prefill chunk the engine calls on_layer; the writer thread posts the WRITEs
-the plan gives. A registration that has had a layer computed for it is committed: late binding can
+After the layers of each prefill chunk where the plan may give a WRITE (layer_hook) the engine calls
+on_layer; the writer thread posts the WRITEs the plan gives. A registration that has had a layer computed for it is committed: late binding can
 no longer move it. What left before the prompt was computed is reported (bytes_before_prefill_end);
 the `transfer` phase is what is left after it, the part of the transfer the client waits for.
 """
