@@ -314,11 +314,12 @@ def test_layers_a_late_registration_catches_up():
 
 
 def test_layers_small_chunks_wait_for_a_mebibyte():
-    """Tiny's 2,048-token prompt in chunks of 512 KiB: each WRITE costs the prefill's core about the
-    same whatever its size, so a chunk under MIN_WRITE_BYTES waits for the next one's, and the last two
-    go in push's final WRITE (from the plan's first unsent block on)."""
+    """Tiny's 2,048-token prompt in chunks of 512 KiB, over shared memory: each WRITE costs the prefill's
+    core about the same whatever its size, so a chunk under MIN_WRITE_BYTES waits for the next one's,
+    and the last two go in push's final WRITE (from the plan's first unsent block on). Over a link
+    every chunk goes (test_runtime.py: test_layerwise_writes_carry_at_least_a_mebibyte)."""
     tiny = L.Geometry(num_layers=4, layer_bytes=4096, block_size=16)
-    plan = L.Plan()
+    plan = L.Plan(gather=True)
     writes = []
     for start in range(0, 2048, 512):
         for layer in range(4):
@@ -333,21 +334,22 @@ def test_layers_small_chunks_wait_for_a_mebibyte():
     (L.Geometry(num_layers=30, layer_bytes=16 * 1536, block_size=16), 1024, 512),     # SmolLM2's
     (L.Geometry(num_layers=4, layer_bytes=4096, block_size=16), 2048, 512),          # tiny's
     (GEOMETRY, 320, 64)])
-def test_layers_called_only_where_a_write_may_leave(g, prompt_tokens, chunk_tokens):
+@pytest.mark.parametrize("gather", [False, True])
+def test_layers_called_only_where_a_write_may_leave(g, prompt_tokens, chunk_tokens, gather):
     """The engine calls on_layer only after write_layers' layers (each call costs the engine's core):
     the writes are the same as if it had heard of every layer."""
-    plan, sparse = L.Plan(skip_blocks=1), []
+    plan, sparse = L.Plan(skip_blocks=1, gather=gather), []
     for start in range(0, prompt_tokens, chunk_tokens):
         end = min(start + chunk_tokens, prompt_tokens)
         for layer in sorted(L.write_layers(plan, end, prompt_tokens, g)):
             plan, out = L.on_layer(plan, layer, start, end, prompt_tokens, g)
             sparse += [(w.blocks.start, w.blocks.stop, w.first_layer, w.num_layers) for w in out]
-    assert sparse == plan_writes(prompt_tokens, chunk_tokens, plan=L.Plan(skip_blocks=1), g=g)
-    assert plan.first_unsent_block == plan_first_unsent(prompt_tokens, chunk_tokens, g)
+    assert sparse == plan_writes(prompt_tokens, chunk_tokens, plan=L.Plan(skip_blocks=1, gather=gather), g=g)
+    assert plan.first_unsent_block == plan_first_unsent(prompt_tokens, chunk_tokens, g, gather)
 
 
-def plan_first_unsent(prompt_tokens: int, chunk_tokens: int, g: L.Geometry) -> int:
-    plan = L.Plan(skip_blocks=1)
+def plan_first_unsent(prompt_tokens: int, chunk_tokens: int, g: L.Geometry, gather: bool) -> int:
+    plan = L.Plan(skip_blocks=1, gather=gather)
     for start in range(0, prompt_tokens, chunk_tokens):
         for layer in range(g.num_layers):
             plan, _ = L.on_layer(plan, layer, start, min(start + chunk_tokens, prompt_tokens), prompt_tokens, g)

@@ -68,7 +68,8 @@ class LayerwisePrefill(PushPrefill):
             self.step(job, S.LayerComputed())
             if not job.state.committed:
                 return False
-            job.layers = L.Plan(skip_blocks=job.state.registration.skip_blocks)
+            job.layers = L.Plan(skip_blocks=job.state.registration.skip_blocks,
+                                gather=self.peers.backend(job.state.peer) == "shm")
         return True
 
     def _queue(self, job: PushJob, block_table: list[int], write: L.Write) -> None:

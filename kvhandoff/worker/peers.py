@@ -9,6 +9,7 @@ import threading
 from typing import Callable
 
 from kvhandoff.transfer.agent import TransferAgent
+from kvhandoff.transfer.errors import PeerError
 from kvhandoff.worker.chores import Chores
 from kvhandoff.worker.errors import HandoffError
 
@@ -73,6 +74,13 @@ class Peers:
                 self._names.clear()
             self._names[metadata_b64] = name
         return name
+
+    def backend(self, peer: str) -> str | None:
+        """How transfers to `peer` move ("shm", "tcp", "nixl"); None once it is gone."""
+        try:
+            return self.agent.peer_backend(peer)
+        except PeerError:
+            return None
 
     def metadata_b64(self) -> str:
         return base64.b64encode(self.agent.metadata()).decode()

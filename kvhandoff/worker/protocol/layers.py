@@ -4,8 +4,8 @@ written exactly once, when it is final, so writes never overlap and their order 
 
 - a chunk writes the blocks it completes: a block it only starts (the prompt goes on past the
   chunk) waits for the chunk that completes it;
-- blocks not written yet (a chunk's too few to be worth a WRITE, or those computed before a late
-  registration) go with the next chunk's layers;
+- blocks not written yet (those computed before a late registration; over shared memory, a chunk's
+  too few to be worth a WRITE) go with the next chunk's layers;
 - a prompt whose last chunk would go in one WRITE anyway leaves it to push's final WRITE, which
   covers whatever is left and carries Done.
 
@@ -20,10 +20,13 @@ LAYER_WRITES_PER_CHUNK = 6      # SmolLM2's 30 layers: 5 at a time
 # ... but no write under this many bytes: a WRITE costs ~0.2 ms of the prefill's core whatever its size
 # (descriptors, the writer thread taking the GIL from the engine's), about what copying 1 MiB through
 # shared memory takes. Measured (bench.disagg, tiny, 62 tokens: 4 writes of 31 KiB): layer-wise
-# prefill_compute 22.9 ms against push's 19.3. Where a whole chunk is under it, the chunk waits for the
-# next chunk's WRITE, and the prompt's last chunk goes in push's final WRITE (one fewer). (Tiny at 2,048
-# tokens, four chunks of 512 KiB: 1 WRITE while it computes instead of 3; each had cost the prefill's
-# core ~0.5 ms, its writer's and copy thread's CPU, measured per thread, Zen 4.)
+# prefill_compute 22.9 ms against push's 19.3. Where a whole chunk is under it, the chunk goes in one
+# WRITE after its last layer, and the prompt's last chunk in push's final WRITE (one fewer). Over shared
+# memory (Plan.gather) such a chunk waits for the next chunk's WRITE instead: the copy runs on the
+# prefill's core whenever it runs, so an early WRITE hides nothing and only its fixed cost is at stake
+# (tiny at 2,048 tokens, four chunks of 512 KiB: 1 WRITE while it computes instead of 3, each of which
+# had cost the prefill's core ~0.5 ms, its writer's and copy thread's CPU, measured per thread, Zen 4).
+# Over a link the kernel moves an early WRITE while the prompt computes: every chunk goes.
 MIN_WRITE_BYTES = 1 << 20
 
 
@@ -35,6 +38,7 @@ class Geometry(msgspec.Struct, frozen=True):
 
 class Plan(msgspec.Struct, frozen=True):
     skip_blocks: int = 0                    # leading blocks decode holds already: never written
+    gather: bool = False                    # a chunk under MIN_WRITE_BYTES waits for the next (shared memory)
     chunk_start: int | None = None          # the chunk being sent layer by layer
     layers_sent: int = 0                    # ... how many of its layers
     group: int = 1                          # ... how many layers a WRITE of it carries
@@ -61,7 +65,7 @@ def on_layer(plan: Plan, layer: int, start: int, end: int, prompt_tokens: int, g
     if layer + 1 - plan.layers_sent < plan.group and not last:
         return plan, writes
     whole = last and plan.layers_sent == 0  # the chunk (and what waited for it) in one WRITE
-    if whole and (end >= prompt_tokens or len(blocks) * g.num_layers * g.layer_bytes < MIN_WRITE_BYTES):
+    if whole and (end >= prompt_tokens or plan.gather and len(blocks) * g.num_layers * g.layer_bytes < MIN_WRITE_BYTES):
         # the final WRITE takes it, or the next chunk's
         return msgspec.structs.replace(plan, chunk_start=None), writes
     if blocks:
