@@ -4,8 +4,8 @@ the prefill instead of following it. Everything else (registration, Done, failur
 which (blocks, layers) each WRITE carries is protocol/layers.py's plan.
 
 After the layers of each prefill chunk where the plan may give a WRITE (layer_hook) the engine calls
-on_layer; the writer thread posts the WRITEs the plan gives. A registration that has had a layer computed for it is committed: late binding can
-no longer move it. What left before the prompt was computed is reported (bytes_before_prefill_end);
+on_layer; the writer thread posts the WRITEs the plan gives. A registration that has had a layer
+computed for it is committed: late binding can no longer move it. What left before the prompt was computed is reported (bytes_before_prefill_end);
 the `transfer` phase is what is left after it, the part of the transfer the client waits for.
 """
 from __future__ import annotations
