@@ -3,9 +3,9 @@ protocol/arrival.py decide, this file does; layerwise.py extends the prefill sid
 
 The router picks the decode worker at arrival (early binding) and sends both legs at once. The
 decode worker reserves the destination blocks and registers them with the prefill worker
-(messages.Registration, a notification between their agents); the prefill's writer thread matches registration and
-computed prompt, in either order, WRITEs the blocks and sends Done (riding on the last WRITE) with
-the checksums and the first token; decode verifies and decodes. Push moves the same bytes as pull:
+(messages.Registration, a notification between their agents); the prefill's writer thread matches
+registration and computed prompt, in either order, WRITEs the blocks and sends Done (riding on the
+last WRITE) with the checksums and the first token; decode verifies and decodes. Push moves the same bytes as pull:
 it reorders the dependencies, so that preparing the destination overlaps the prompt's computation.
 
 The timing rule (why set-aside blocks can be freed without hearing from a silent peer): the
@@ -63,7 +63,7 @@ CANCELLED = S.CANCELLED
 # The final WRITE waits (on the writer thread) for the prompt's first token to leave, at most this
 # long: started as the prompt completes, its checksums and copies took the prefill's core and GIL
 # from the first token's way out (push's TTFT less each side's compute, tiny on a 2-core Zen 4, 4
-# alternated runs: 2,048 tokens 2.03 -> 1.53 ms, push-layerwise 2.66 -> 1.48). The decode worker
+# alternated runs: 2,048 tokens 2.17 -> 1.39 ms, push-layerwise 2.71 -> 1.33). The decode worker
 # needs the KV only for its second token, a step after the first.
 FIRST_LINE_WAIT_S = 0.01
 log = logging.getLogger("kvhandoff.handoff")
