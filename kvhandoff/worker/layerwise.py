@@ -5,8 +5,9 @@ which (blocks, layers) each WRITE carries is protocol/layers.py's plan.
 
 After the layers of each prefill chunk where the plan may give a WRITE (layer_hook) the engine calls
 on_layer; the writer thread posts the WRITEs the plan gives. A registration that has had a layer
-computed for it is committed: late binding can no longer move it. What left before the prompt was computed is reported (bytes_before_prefill_end);
-the `transfer` phase is what is left after it, the part of the transfer the client waits for.
+computed for it is committed: late binding can no longer move it. What left before the prompt was
+computed is reported (bytes_before_prefill_end); the `transfer` phase is what is left after it, the
+part of the transfer the client waits for.
 """
 from __future__ import annotations
 
@@ -45,15 +46,15 @@ class LayerwisePrefill(PushPrefill):
     @staticmethod
     def _writable(job: PushJob) -> bool:
         state = job.state
-        return state.layerwise and state.registration is not None and state.phase not in (S.Phase.WRITING, S.Phase.ENDED)
+        return (state.layerwise and state.registration is not None
+                and state.phase not in (S.Phase.WRITING, S.Phase.ENDED))
 
     def on_layer(self, layer: int, chunks) -> None:
         """Engine thread, after `layer` of this step's chunks: queue what became final."""
         for chunk in chunks:
             request = chunk.request
             side, job = self.door.requests.get(request.request_id, (None, None))
-            if side is not self or not job.state.layerwise or not self._commit(job) or \
-                    job.state.phase in (S.Phase.WRITING, S.Phase.ENDED):
+            if side is not self or not self._writable(job) or not self._commit(job):
                 continue
             start = request.num_computed_tokens
             job.layers, writes = L.on_layer(job.layers, layer, start, start + chunk.num_new_tokens,

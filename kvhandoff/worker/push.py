@@ -5,8 +5,9 @@ The router picks the decode worker at arrival (early binding) and sends both leg
 decode worker reserves the destination blocks and registers them with the prefill worker
 (messages.Registration, a notification between their agents); the prefill's writer thread matches
 registration and computed prompt, in either order, WRITEs the blocks and sends Done (riding on the
-last WRITE) with the checksums and the first token; decode verifies and decodes. Push moves the same bytes as pull:
-it reorders the dependencies, so that preparing the destination overlaps the prompt's computation.
+last WRITE) with the checksums and the first token; decode verifies and decodes. Push moves the
+same bytes as pull: it reorders the dependencies, so that preparing the destination overlaps the
+prompt's computation.
 
 The timing rule (why set-aside blocks can be freed without hearing from a silent peer): the
 registration carries `ttl_ms`; prefill starts no WRITE later than one ttl after it last heard from
