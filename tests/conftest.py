@@ -1,12 +1,15 @@
 """Shared fixtures: real `kvhandoff serve` processes (subprocesses, stopped by PID at teardown)."""
 from __future__ import annotations
 
+import base64
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -75,6 +78,18 @@ def start_servers(specs: list[tuple[list[str], Path]]) -> list[ServerProcess]:
                 f.result().stop()
         raise failed[0]
     return [f.result() for f in futures]
+
+
+@contextmanager
+def stand_in_agent(worker: ServerProcess, secret: str, protocol: str | None = None):
+    """A transfer agent of the deployment connected to `worker`'s, as a peer worker's is: (agent,
+    the worker's peer name). `protocol`: another version's, to be refused."""
+    from kvhandoff.transfer.agent import TransferAgent
+    from kvhandoff.wire.auth import control_headers
+    from kvhandoff.wire.messages import PROTOCOL
+    info = httpx.get(f"{worker.url}/kv/info", headers=control_headers(secret), timeout=10).json()
+    with TransferAgent(f"stand-in-{uuid.uuid4().hex[:8]}", secret, protocol=protocol or PROTOCOL) as agent:
+        yield agent, agent.add_peer(base64.b64decode(info["agent_metadata"]))
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess, prefill_answer, prefill_handoff, start_servers
+from conftest import ServerProcess, prefill_answer, prefill_handoff, stand_in_agent, start_servers
 from kvhandoff.transfer.agent import TransferAgent
 from kvhandoff.transfer.errors import PeerError
 from kvhandoff.wire.auth import control_headers
@@ -134,14 +134,6 @@ def test_every_mode_matches_colocated_in_bf16(tmp_path):
         assert all(server.health()["dtype"] == "bfloat16" for server in started.values())
 
 
-@contextmanager
-def stand_in(worker: ServerProcess, protocol: str = PROTOCOL):
-    """An agent of the deployment connected to `worker`'s, as a decode worker's is: (agent, peer)."""
-    info = httpx.get(f"{worker.url}/kv/info", headers=HEADERS, timeout=10).json()
-    with TransferAgent(f"stand-in-{uuid.uuid4().hex[:8]}", SECRET, protocol=protocol) as agent:
-        yield agent, agent.add_peer(base64.b64decode(info["agent_metadata"]))
-
-
 def registration(agent: TransferAgent, handoff_id: str, **fields) -> dict:
     """A push registration notification naming `agent` as the decode worker's."""
     return {"kind": "register", "handoff_id": handoff_id, "mode": "push", "decode_worker": agent.name,
@@ -187,7 +179,7 @@ def test_another_protocol_version_is_refused(workers):
     # A decode worker of another version cannot register: its agent and ours do not connect (the
     # handshake's own refusal of a peer that hides its version: test_transfer.py).
     with pytest.raises(PeerError, match=f"speaks protocol '{PROTOCOL}', this agent 'kvhandoff-handoff/1'"):
-        with stand_in(workers["prefill"], protocol="kvhandoff-handoff/1"):
+        with stand_in_agent(workers["prefill"], SECRET, protocol="kvhandoff-handoff/1"):
             pass
     info = httpx.get(f"{workers['decode'].url}/kv/info", headers=HEADERS, timeout=10).json()
     assert info["protocol_version"] == PROTOCOL_VERSION
@@ -199,7 +191,7 @@ def test_block_ids_outside_the_pool_they_name_are_refused(workers):
     outside that pool, or a pool of no blocks, is refused with a reason that says so, on either side,
     before any transfer (a registration, which travels between the agents, is answered `failed`;
     the decode leg's handoff object is a 400); the workers go on serving."""
-    with stand_in(workers["prefill"]) as (agent, prefill):
+    with stand_in_agent(workers["prefill"], SECRET) as (agent, prefill):
         for pool_blocks, block_ids, why in ((4, [1, 4], "names block 4, outside its pool of 4 blocks"),
                                             (0, [0], "names a pool of 0 blocks")):
             handoff_id = f"bad-pool-{pool_blocks}"
