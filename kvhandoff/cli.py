@@ -924,9 +924,10 @@ def add_bench_transfer_command(sub) -> None:
     p.add_argument("--latency-iters", type=int, default=400,
                    help="4 KiB operations timed per backend and op (default: %(default)s)")
     p.add_argument("--pin", action="store_true", help="pin this process to core 0 and the target to core 1")
-    p.add_argument("--shm-dir", default="/dev/shm",
-                   help="where shared-memory regions live, e.g. a tmpfs mounted with huge=within_size "
-                        "(default: %(default)s)")
+    p.add_argument("--shm-dir", default="auto",
+                   help="where shared-memory regions live; auto: /dev/shm if it gives huge pages, else a "
+                        "huge-page tmpfs private to this benchmark where it may mount one (root), else "
+                        "/dev/shm (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.set_defaults(func=cmd_bench_transfer)
 

@@ -80,6 +80,14 @@ def start_servers(specs: list[tuple[list[str], Path]]) -> list[ServerProcess]:
     return [f.result() for f in futures]
 
 
+def may_mount() -> bool:
+    """Whether this process may mount filesystems: CAP_SYS_ADMIN in its effective capabilities (root
+    in a container without it may not)."""
+    with open("/proc/self/status") as status:
+        effective = next(line for line in status if line.startswith("CapEff:"))
+    return bool(int(effective.split()[1], 16) >> 21 & 1)
+
+
 @contextmanager
 def stand_in_agent(worker: ServerProcess, secret: str, protocol: str | None = None):
     """A transfer agent of the deployment connected to `worker`'s, as a peer worker's is: (agent,

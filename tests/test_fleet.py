@@ -17,11 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from conftest import ServerProcess, may_mount
 from kvhandoff import cli
 from kvhandoff.router.policies import DecodePolicy, PrefillPolicy, queued_prefill_tokens
 from kvhandoff.router.pool import Worker
 from kvhandoff.transfer.agent import Backend
+from kvhandoff.transfer.memory import SHM_DIR, tmpfs_huge
 from kvhandoff.wire.auth import control_headers
 from kvhandoff.wire.modes import Role
 from test_router import SECRET, UP_READY, FakeWorker, Proc, child_pids, gone, start_router, wait_until
@@ -680,6 +681,52 @@ def test_up_restarts_a_dead_colocated_worker_and_gives_up_a_crash_loop(tmp_path)
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stdout[-3000:]
     assert "giving up on it" in out.stdout and "every worker has been given up" in out.stdout, out.stdout[-3000:]
+
+
+def kv_pool_mappings(pid: int, directory: str) -> dict[str, dict[str, int]]:
+    """The KV segments (kvh.*) process `pid` maps from `directory`: {path: {Rss, ShmemPmdMapped} in KiB}."""
+    mappings, current = {}, None
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            field = line.split()
+            if not field[0].endswith(":"):
+                path = field[5] if len(field) > 5 else ""
+                current = mappings.setdefault(path, {}) if path.startswith(directory + "/kvh.") else None
+            elif current is not None and field[0] in ("Rss:", "ShmemPmdMapped:"):
+                current[field[0][:-1]] = current.get(field[0][:-1], 0) + int(field[1])
+    return mappings
+
+
+def test_up_puts_the_kv_pools_on_a_huge_page_tmpfs_only_its_own_processes_see(tmp_path, reference):
+    """/dev/shm here gives 4 KiB pages: as root, `up` mounts a huge=within_size tmpfs in a mount
+    namespace of its own and its workers' pools live there (huge pages, invisible outside, gone when the
+    stack stops); where it may not mount, it says why and the pools stay in /dev/shm."""
+    stack, directory = up(tmp_path, "pull"), None
+    try:
+        said = re.search(r"^kvhandoff up: KV pools: (.*)$", stack.text(), re.M)
+        assert said, stack.text()[-3000:]
+        r = httpx.post(stack.url + "/v1/completions", json=completion(PROMPTS[5]), timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference[TOKENS][5], r.text
+        pids = child_pids(stack)
+        if tmpfs_huge(SHM_DIR):
+            pytest.skip(f"{SHM_DIR} gives huge pages itself: nothing for `up` to mount")
+        if not may_mount():
+            assert "may not mount" in said[1] and "--kv-shm-dir" in said[1], said[1]
+            return
+        tmpfs = re.match(r"a huge-page tmpfs at (\S+), seen only by", said[1])
+        assert tmpfs, said[1]
+        directory = tmpfs[1]
+        assert os.listdir(directory) == []          # out here it is an empty directory
+        # The decode worker maps the prefill's pool, from the same tmpfs, besides its own.
+        for name, segments in (("prefill-0", 1), ("decode-0", 2)):
+            def huge() -> bool:
+                pool = kv_pool_mappings(pids[name], directory)
+                return len(pool) == segments and all(m["ShmemPmdMapped"] >= m["Rss"] / 2 > 0 for m in pool.values())
+            wait_until(huge, f"{name}'s KV pool is not on huge pages in {directory}: "
+                             f"{kv_pool_mappings(pids[name], directory)}", timeout=30)
+    finally:
+        stack.stop()
+    assert not os.path.exists(directory), f"the stack's tmpfs mount point outlived it: {directory}"
 
 
 def test_a_worker_whose_engine_loop_died_stops_and_up_starts_a_fresh_one(tmp_path):

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import may_mount
 from kvhandoff.model import pages
 from kvhandoff.transfer import (AuthenticationError, DescList, OutOfBoundsError, PeerError, TransferAgent,
                                 TransferError, XferState)
 from kvhandoff.transfer.descriptors import plan
-from kvhandoff.transfer.memory import SHM_DIR, create_segment, open_segment, sweep_stale_segments
+from kvhandoff.transfer.memory import SHM_DIR, create_segment, open_segment, sweep_stale_segments, tmpfs_huge
 from kvhandoff.transfer.nixl_backend import unavailable_reason
 from kvhandoff.transfer.protocol import LARGE_RECV, ConnectionLost, recv_into_buffers
 from kvhandoff.transfer.remote import RemoteAgent, RemoteError, digest
@@ -400,6 +401,54 @@ def test_agent_lifecycle_guards():
     with pytest.raises(TransferError, match="closed"):
         agent.register("r", bytearray(10))
     agent.close()                                             # idempotent
+
+
+HUGE_TMPFS_PROBE = """
+import json, subprocess, sys
+from kvhandoff.transfer.huge_tmpfs import private_huge_tmpfs
+from kvhandoff.transfer.memory import create_segment, huge_page_share
+shm = private_huge_tmpfs()
+out = {"path": shm.path, "huge": shm.huge, "mounted": shm.mounted, "why": shm.why}
+if shm.mounted:
+    segment = create_segment("probe", 8 << 20, shm.path)
+    segment.array[:] = 1
+    out["huge_share"] = huge_page_share(segment.array)
+    out["child_sees"] = subprocess.run(["ls", shm.path], capture_output=True, text=True).stdout.split()
+print(json.dumps(out), flush=True)
+sys.stdin.readline()
+shm.close()
+"""
+
+
+@pytest.mark.parametrize("privileged", [True, False], ids=["may-mount", "may-not-mount"])
+def test_a_private_huge_page_tmpfs_is_seen_by_our_children_only(privileged):
+    """Where /dev/shm gives 4 KiB pages, private_huge_tmpfs mounts a huge-page tmpfs that the caller
+    and its children see, nobody else does, and is gone once closed; without CAP_SYS_ADMIN it says
+    why and keeps /dev/shm."""
+    if tmpfs_huge(SHM_DIR):
+        pytest.skip(f"{SHM_DIR} gives huge pages itself")
+    if privileged and not may_mount():
+        pytest.skip("this test process may not mount filesystems")
+    drop = [] if privileged else ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]
+    if drop and subprocess.run(["which", "setpriv"], capture_output=True).returncode != 0:
+        pytest.skip("no setpriv to drop capabilities with")
+    probe = subprocess.Popen([*drop, sys.executable, "-c", HUGE_TMPFS_PROBE], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        got = json.loads(probe.stdout.readline())
+        if not privileged or not may_mount():
+            assert (got["path"], got["huge"], got["mounted"]) == (SHM_DIR, False, False), got
+            assert "may not mount" in got["why"] and "huge=within_size" in got["why"], got
+        else:
+            assert got["huge"] and got["mounted"] and got["huge_share"] == 1.0, got
+            assert [name.split(".")[-2] for name in got["child_sees"]] == ["probe"], got
+            assert os.listdir(got["path"]) == []        # out here an empty directory
+        probe.stdin.write("\n")
+        probe.stdin.flush()
+        assert probe.wait(30) == 0
+    finally:
+        probe.kill()
+    assert os.path.exists(got["path"]) == (got["path"] == SHM_DIR)
 
 
 def test_segments_in_another_directory(remote, tmp_path):

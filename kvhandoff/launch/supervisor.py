@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -51,6 +51,7 @@ import httpx
 from kvhandoff.launch.lifeline import child_env
 from kvhandoff.launch.netlink import EmulatedLink, LinkError, LinkSpec
 from kvhandoff.launch.vllm import VllmLaunch
+from kvhandoff.transfer.huge_tmpfs import ShmDir, private_huge_tmpfs
 from kvhandoff.wire.auth import SECRET_ENV, control_headers
 from kvhandoff.wire.modes import COLOCATED, STACK_MODES, Role
 
@@ -499,9 +500,26 @@ def stop(children: list[Child], timeout: float) -> None:
             child.reader.join(timeout=2.0)
 
 
+def kv_pools_dir(cfg: LaunchConfig) -> ShmDir | None:
+    """Where our P/D workers' shared-memory KV pools go, unless a flag names it: a huge-page tmpfs
+    private to this stack where this process may mount one (huge_tmpfs.py). Run from the thread that
+    spawns the children, before it spawns them: they inherit its mount namespace."""
+    if cfg.mode == COLOCATED or cfg.vllm is not None:
+        return None         # no shared pool: a colocated engine's is private, on huge pages already
+    given = [cfg.worker_args, cfg.prefill_args, cfg.decode_args, *cfg.child_args.values()]
+    if any(a == "--kv-shm-dir" or a.startswith("--kv-shm-dir=") for args in given for a in args):
+        return None
+    return private_huge_tmpfs()
+
+
 def run(cfg: LaunchConfig) -> int:
     link = EmulatedLink(cfg.link) if cfg.link is not None else None
     children: list[Child] = []
+    pools = kv_pools_dir(cfg)
+    if pools is not None:
+        print(f"kvhandoff up: KV pools: {pools.why}", flush=True)
+        if pools.mounted:
+            cfg = replace(cfg, worker_args=[*cfg.worker_args, "--kv-shm-dir", pools.path])
     # $KVHANDOFF_SECRET if set, so workers started by hand can join later (`kvhandoff workers add`).
     env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(32), "PYTHONUNBUFFERED": "1"}
     try:
@@ -522,6 +540,8 @@ def run(cfg: LaunchConfig) -> int:
         return 1
     finally:
         stop(children, cfg.stop_timeout)
+        if pools is not None:
+            pools.close()
         if link is not None:
             link.down()
             print(f"kvhandoff up: removed the emulated link (namespace {link.ns})", flush=True)

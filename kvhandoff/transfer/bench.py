@@ -11,7 +11,8 @@ into one socket and receive them contiguously, from the target (pull, a READ's d
 every repeat after a warm-up, each from cold caches, and ratios are medians of per-repeat ratios
 (MEASURING.md). The table's second line says how much of the segments huge pages map: on a 2-core
 Zen 4 VM, shm copied at 0.58-0.88x a private memcpy with 4 KiB pages (a /dev/shm without huge=) and
-at 0.69-1.10x with huge pages (`--shm-dir` on a tmpfs mounted with huge=within_size), run to run.
+at 0.69-1.10x with huge pages (a tmpfs mounted with huge=within_size), run to run. So by default
+(`--shm-dir auto`) the regions go where `kvhandoff up` puts its workers' pools (huge_tmpfs.py).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvhandoff.transfer.descriptors import DescList
-from kvhandoff.transfer.memory import SHM_DIR, huge_page_share, open_segment, tmpfs_huge
+from kvhandoff.transfer.huge_tmpfs import private_huge_tmpfs
+from kvhandoff.transfer.memory import huge_page_share, open_segment, tmpfs_huge
 from kvhandoff.transfer.protocol import recv_filling, send_buffers, tune
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -43,7 +45,7 @@ class BenchConfig:
     repeats: int = 7
     latency_iters: int = 400
     pin: bool = False
-    shm_dir: str = SHM_DIR
+    shm_dir: str = "auto"           # auto: a private huge-page tmpfs where we may mount one (huge_tmpfs.py)
 
 
 def log(msg: str) -> None:
@@ -127,9 +129,7 @@ def memcpy_run(src: np.ndarray, dst: np.ndarray, block: int, total: int) -> floa
 # ---------------------------------------------------------------------------------------------- the run
 
 def run(cfg: BenchConfig) -> dict:
-    from kvhandoff.transfer import TransferAgent
     from kvhandoff.transfer.nixl_backend import unavailable_reason
-    from kvhandoff.transfer.remote import RemoteAgent
 
     backends = list(cfg.backends)
     skipped = {}
@@ -137,10 +137,27 @@ def run(cfg: BenchConfig) -> dict:
         backends.remove("nixl")
         skipped["nixl"] = why
         log(f"bench-transfer: skipping nixl: {why}")
-    total = cfg.total_bytes
-    assert all(total % b == 0 for b in BLOCK_SIZES), "total must be a multiple of 4 MiB"
+    assert all(cfg.total_bytes % b == 0 for b in BLOCK_SIZES), "total must be a multiple of 4 MiB"
     if cfg.pin:
         os.sched_setaffinity(0, {0})
+    private = private_huge_tmpfs(flag="--shm-dir") if cfg.shm_dir == "auto" else None
+    shm_dir = private.path if private else cfg.shm_dir
+    if private:
+        log(f"bench-transfer: shm regions: {private.why}")
+    try:
+        report = _run(cfg, backends, skipped, shm_dir)
+    finally:
+        if private:
+            private.close()
+    report["config"]["shm_why"] = private.why if private else "given"
+    return report
+
+
+def _run(cfg: BenchConfig, backends: list[str], skipped: dict, shm_dir: str) -> dict:
+    from kvhandoff.transfer import TransferAgent
+    from kvhandoff.transfer.remote import RemoteAgent
+
+    total = cfg.total_bytes
     load_before = os.getloadavg()
     log(f"bench-transfer: {total // MIB} MiB per transfer, backends {backends}, {cfg.repeats} repeats, "
         f"load {load_before[0]:.2f}")
@@ -149,18 +166,18 @@ def run(cfg: BenchConfig) -> dict:
     agents, segments = {}, []
     try:
         meta = target.call("create", "bench-target", SECRET, backend="nixl" if "nixl" in backends else "auto",
-                           shm_dir=cfg.shm_dir)
+                           shm_dir=shm_dir)
         target.call("allocate", "kv", 2 * total)
         target.call("fill", "kv", seed=0)
         for b in backends:
-            agent = agents[b] = TransferAgent(f"bench-{b}", SECRET, backend=b, shm_dir=cfg.shm_dir)
+            agent = agents[b] = TransferAgent(f"bench-{b}", SECRET, backend=b, shm_dir=shm_dir)
             agent._allocate("kv", 2 * total)[:] = 1           # touch every page before timing
             agent.add_peer(meta)
         src, dst = np.ones(2 * total, np.uint8), np.ones(2 * total, np.uint8)
         # memcpy again, between the very buffers the transfers use (the target's region, mapped here,
         # into an initiator's region). On this kind of VM two equal buffers can copy at 7 or 13 GB/s
         # depending on where their pages happen to land, so this row is the like-for-like baseline.
-        same = _same_memory(agents, cfg.shm_dir, segments)
+        same = _same_memory(agents, segments)
         seconds: dict[tuple[str, str, int], list[float]] = {}
         loads: dict[int, list[float]] = {}
         for block in BLOCK_SIZES:
@@ -187,7 +204,7 @@ def run(cfg: BenchConfig) -> dict:
                 for key, s in measure().items():
                     seconds.setdefault(key, []).append(s)
             stream.close()
-        pages = _pages(same, cfg.shm_dir)
+        pages = _pages(same, shm_dir)
         latency = {}
         for b, agent in agents.items():
             for op in ("read", "write"):
@@ -201,6 +218,7 @@ def run(cfg: BenchConfig) -> dict:
         target.close()
     load_after = os.getloadavg()
     report = _report(cfg, backends, skipped, seconds, latency, load_before, load_after)
+    report["config"]["shm_dir"] = shm_dir
     report["loadavg_by_block"] = loads
     report["pages"] = pages
     return report
@@ -215,7 +233,7 @@ def _pages(same, shm_dir: str) -> dict:
             "initiator_huge_share": huge_page_share(same[1]) if same else None}
 
 
-def _same_memory(agents: dict, shm_dir: str, segments: list) -> tuple[np.ndarray, np.ndarray] | None:
+def _same_memory(agents: dict, segments: list) -> tuple[np.ndarray, np.ndarray] | None:
     """(the target's region mapped here, an initiator's region): what the transfers copy between."""
     if not agents:
         return None
