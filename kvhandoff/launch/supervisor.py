@@ -25,6 +25,11 @@ workers on 2 cores, prefill on core 0 and decode on core 1), pinned with sched_s
 than workers nothing is pinned and each worker gets an equal thread count instead. A colocated worker
 is pinned to all of them (`--cores 0`: colocated on one core, the baseline a 1+1 split is compared to).
 
+KV pools: where /dev/shm gives 4 KiB pages and this process may mount filesystems, the workers keep
+their shared-memory KV pools in a huge-page tmpfs that only this stack's processes see
+(transfer/huge_tmpfs.py): same-host copies and the decode steps that read the pool run on 2 MiB pages,
+as a colocated engine's private pool does. Not where a flag names --kv-shm-dir, nor with --link.
+
 `--link RATE[,DELAY[,JITTER]]` puts the decode workers behind an emulated link (netlink.py): they run
 in a network namespace of their own, the prefill workers and the router here, and the KV crosses a
 shaped veth pair over the tcp backend, removed again when the stack stops.
@@ -506,6 +511,10 @@ def kv_pools_dir(cfg: LaunchConfig) -> ShmDir | None:
     spawns the children, before it spawns them: they inherit its mount namespace."""
     if cfg.mode == COLOCATED or cfg.vllm is not None:
         return None         # no shared pool: a colocated engine's is private, on huge pages already
+    if cfg.link is not None:
+        # The link's network namespace is a mount under /run/netns that `ip netns` must make and remove
+        # where the host sees it, not inside a mount namespace of ours; its KV crosses tcp anyway.
+        return None
     given = [cfg.worker_args, cfg.prefill_args, cfg.decode_args, *cfg.child_args.values()]
     if any(a == "--kv-shm-dir" or a.startswith("--kv-shm-dir=") for args in given for a in args):
         return None
