@@ -624,8 +624,11 @@ def test_up_restarts_a_killed_prefill_worker_in_push_mode(tmp_path, reference):
     """SIGKILL a push prefill worker while requests are on it, with the default --kv-timeout-s (a
     write deadline of 60 s): its requests are recomputed, retried or end with an error naming it,
     and the decode workers' reserved blocks come back at once (the transport saw its agent die),
-    not at the deadline. Prefill steps 30 ms longer: requests are still on it when it dies."""
-    stack = up(tmp_path, "push", "--prefill", "2", "--prefill-args=--inject-faults step_ms=30")
+    not at the deadline. Prefill steps 30 ms longer, and the victim's 300 ms: requests are still on it
+    when it dies. (With 30 ms on both, its share of the 16 prompts, one or two batched steps, came and
+    went between two polls of the router once on a 2-core AVX2 machine under load.)"""
+    stack = up(tmp_path, "push", "--prefill", "2", "--prefill-args=--inject-faults step_ms=30",
+               "--worker-args", "prefill-1=--inject-faults step_ms=300")
     try:
         victim = worker_urls(stack.url)["prefill-1"]
         # Both prefill workers in rotation first: the prompts are sent once, and a worker the router
