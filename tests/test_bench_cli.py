@@ -220,7 +220,7 @@ def test_demo_runs_every_mode(tmp_path):
     isolated requests (behind the calibrated slow link too, where one can be made), then multi-turn;
     tables and plots written, every output equal to colocated's."""
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-c", DEMO_TWO_TURNS, "demo", "--model", "tiny", "--minutes", "1.5",
+    r = subprocess.run([sys.executable, "-c", DEMO_TWO_TURNS, "demo", "--model", "tiny", "--minutes", "1",
                         "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((out / "isolated" / "isolated.json").read_text())
