@@ -299,9 +299,9 @@ def isolated_goals(summary: dict) -> list[dict]:
                 continue
             if mode == Mode.PUSH_LAYERWISE:
                 x = row.get("ttft_x_free_link") or row["ttft_ms"] / free["ttft_ms"]
-                per_round = row.get("ttft_x_free_link_spread")
-                add(f"{name} TTFT / {mode} TTFT", x, GOAL_LINK_TTFT_X, x <= GOAL_LINK_TTFT_X, per_round,
-                    "quartiles" if row["n"] >= 4 else "range")
+                per_round = row.get("ttft_x_free_link_spread")          # (low, high, kind) or None
+                add(f"{name} TTFT / {mode} TTFT", x, GOAL_LINK_TTFT_X, x <= GOAL_LINK_TTFT_X,
+                    *((tuple(per_round[:2]), per_round[2]) if per_round else ()))
             if row["bytes_transferred"] and row["phases_ms"]["transfer"] is not None:
                 link_ms = row["bytes_transferred"] * 8 / LinkSpec.parse(link).bits_per_s * 1e3
                 add(f"{name} transfer phase / (bytes / link rate)", row["phases_ms"]["transfer"] / link_ms, 1.0,
@@ -501,12 +501,13 @@ def verdict(goal: dict) -> str:
     return "NOT met"
 
 
-def spread(values: list) -> tuple[float, float] | None:
-    """Where a run's per-round figures lie: their quartiles, or with 2-3 rounds (the demo's) their range."""
+def spread(values: list) -> tuple[float, float, str] | None:
+    """Where a run's per-round figures lie, and which bounds those are: their quartiles, or with 2-3
+    rounds (the demo's) their range."""
     values = [v for v in values if v is not None]
     if len(values) >= 4:
-        return quartiles(values)
-    return (min(values), max(values)) if len(values) >= 2 else None
+        return (*quartiles(values), "quartiles")
+    return (min(values), max(values), "range") if len(values) >= 2 else None
 
 
 def quartiles(values: list) -> tuple[float, float] | None:

@@ -217,8 +217,7 @@ def _run(cfg: BenchConfig, backends: list[str], skipped: dict, shm_dir: str) -> 
             segment.release()
         target.close()
     load_after = os.getloadavg()
-    report = _report(cfg, backends, skipped, seconds, latency, load_before, load_after)
-    report["config"]["shm_dir"] = shm_dir
+    report = _report(cfg, backends, skipped, seconds, latency, load_before, load_after, shm_dir)
     report["loadavg_by_block"] = loads
     report["pages"] = pages
     return report
@@ -259,7 +258,7 @@ def _latency(agent, op: str, iters: int) -> list[float]:
 
 
 def _report(cfg: BenchConfig, backends: list[str], skipped: dict, seconds: dict, latency: dict,
-            load_before, load_after) -> dict:
+            load_before, load_after, shm_dir: str) -> dict:
     total = cfg.total_bytes
     gbps = {k: total / statistics.median(v) / 1e9 for k, v in seconds.items()}
 
@@ -294,7 +293,7 @@ def _report(cfg: BenchConfig, backends: list[str], skipped: dict, seconds: dict,
         "config": {"total_bytes": total, "repeats": cfg.repeats, "latency_iters": cfg.latency_iters,
                    "latency_bytes": LATENCY_BYTES, "layout": "every other block of a pool twice the size, both sides",
                    "pinned": "parent core 0, target core 1" if cfg.pin else "no", "cpus": os.cpu_count(),
-                   "shm_dir": cfg.shm_dir,
+                   "shm_dir": shm_dir,
                    "git_commit": _git_commit()},
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in load_after],
