@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -430,7 +431,7 @@ def test_a_private_huge_page_tmpfs_is_seen_by_our_children_only(privileged):
     if privileged and not may_mount():
         pytest.skip("this test process may not mount filesystems")
     drop = [] if privileged else ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]
-    if drop and subprocess.run(["which", "setpriv"], capture_output=True).returncode != 0:
+    if drop and shutil.which("setpriv") is None:
         pytest.skip("no setpriv to drop capabilities with")
     probe = subprocess.Popen([*drop, sys.executable, "-c", HUGE_TMPFS_PROBE], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
