@@ -148,9 +148,9 @@ class _Host:
     def peers(self) -> list[str]:
         return self.agent.peers
 
-    def stream_serve(self, total: int, block: int) -> int:
+    def stream_serve(self, total: int, block: int, region: str | None = None) -> int:
         from kvhandoff.transfer.bench import serve_stream
-        return serve_stream(total, block)
+        return serve_stream(total, block, None if region is None else self.arrays[region])
 
     def exit(self) -> None:
         if self.agent is not None:
