@@ -16,6 +16,7 @@ at 0.69-1.10x with huge pages (a tmpfs mounted with huge=within_size), run to ru
 """
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import statistics
@@ -61,8 +62,8 @@ def serve_stream(total: int, block: int, pool: np.ndarray | None = None) -> int:
     push scattered into them as a WRITE lands; without it, a private pool, and the push lands
     contiguously."""
     listener = socket.create_server(("127.0.0.1", 0))
-    blocks = _strided(pool if pool is not None else np.ones(2 * total, np.uint8), total, block)
-    sink = memoryview(np.zeros(total, np.uint8)) if pool is None else None
+    blocks = _strided(pool if pool is not None else page_aligned(2 * total, 1), total, block)
+    sink = memoryview(page_aligned(total, 0)) if pool is None else None
 
     def serve() -> None:
         conn, _ = listener.accept()
@@ -82,6 +83,18 @@ def serve_stream(total: int, block: int, pool: np.ndarray | None = None) -> int:
     return listener.getsockname()[1]
 
 
+def page_aligned(nbytes: int, fill: int) -> np.ndarray:
+    """Private memory that starts on a page, like a registered region. numpy's own large arrays start
+    16 bytes into theirs (malloc's header), and the kernel's socket copies run 2-3x slower when the
+    two sides of a copy are out of step by such an amount (protocol.py): a baseline there would
+    measure the misalignment, not the machine."""
+    mapping = mmap.mmap(-1, nbytes)
+    mapping.madvise(mmap.MADV_HUGEPAGE)           # as numpy asks for its large arrays
+    array = np.frombuffer(mapping, np.uint8)
+    array[:] = fill
+    return array
+
+
 def _strided(pool: np.ndarray, total: int, block: int) -> list[memoryview]:
     """Every other `block` of `pool` (2 x total bytes): the layout every transfer here moves."""
     view = memoryview(pool)
@@ -97,8 +110,8 @@ class StreamClient:
     def __init__(self, port: int, total: int, block: int, pool: np.ndarray | None = None):
         self.sock = socket.create_connection(("127.0.0.1", port))
         tune(self.sock, None)
-        self.buf = memoryview(np.zeros(total, np.uint8)) if pool is None else None
-        self.blocks = _strided(pool if pool is not None else np.ones(2 * total, np.uint8), total, block)
+        self.buf = memoryview(page_aligned(total, 0)) if pool is None else None
+        self.blocks = _strided(pool if pool is not None else page_aligned(2 * total, 1), total, block)
 
     def pull(self) -> float:
         """Seconds to receive `total` bytes the target gathers and sends (a READ's direction)."""
@@ -193,10 +206,8 @@ def _run(cfg: BenchConfig, backends: list[str], skipped: dict, shm_dir: str) -> 
         # into an initiator's region). On this kind of VM two equal buffers can copy at 7 or 13 GB/s
         # depending on where their pages happen to land, so this row is the like-for-like baseline.
         same = _same_memory(agents, segments)
-        # The raw stream again, between the very buffers a tcp transfer moves: on a 2-core AVX2 EPYC VM
-        # the kernel's copy out of a sender's region cost 2-3x its copy out of private memory in the
-        # same process (perf: _copy_from_iter), so a stream between private buffers is no measure of
-        # what our protocol adds.
+        # The raw stream again, between the very buffers a tcp transfer moves: what the protocol alone
+        # costs, whatever the memory.
         stream_pool = (agents.get("tcp") or next(iter(agents.values())))._regions["kv"].array if agents else None
         seconds: dict[tuple[str, str, int], list[float]] = {}
         loads: dict[int, list[float]] = {}

@@ -29,10 +29,10 @@ import numpy as np
 from kvhandoff.transfer.errors import AuthenticationError, OutOfBoundsError
 from kvhandoff.transfer.handle import Handle, Op
 from kvhandoff.transfer.memory import Region
-from kvhandoff.transfer.protocol import (FRAME, HANDSHAKE_VERSION, MAX_PREAUTH_BODY, STALLED, ConnectionLost, Kind,
-                                         drain, frame, json_frame, mac, parse_xfer_body, recv_exact, recv_frame,
-                                         byte_views, recv_into_buffers, send_buffers, send_nowait, set_timeout, tune,
-                                         xfer_body)
+from kvhandoff.transfer.protocol import (ALIGN, FRAME, HANDSHAKE_VERSION, MAX_BODY, STALLED, ConnectionLost, Kind,
+                                         byte_views, drain, frame, hello_frame, json_frame, mac, padding,
+                                         parse_xfer_body, recv_body, recv_exact, recv_frame, recv_hello_frame,
+                                         recv_into_buffers, send_buffers, send_nowait, set_timeout, tune, xfer_body)
 
 log = logging.getLogger(__name__)
 DRAIN_LIMIT = 1 << 30       # a refused WRITE larger than this closes the connection instead of being drained
@@ -45,8 +45,8 @@ INLINE_SEND_BYTES = 64 << 10  # WRITE payloads up to this are sent by the caller
 def client_handshake(sock: socket.socket, me: str, expected: str, secret: bytes, hello_extra: dict) -> dict:
     """Authenticate both ways as client; returns the server's WELCOME (its grants)."""
     nonce_c = secrets.token_bytes(32)
-    sock.sendall(json_frame(Kind.HELLO, {"v": HANDSHAKE_VERSION, "name": me, "nonce": nonce_c.hex(), **hello_extra}))
-    kind, _, body = recv_frame(sock, MAX_PREAUTH_BODY)
+    sock.sendall(hello_frame(Kind.HELLO, {"v": HANDSHAKE_VERSION, "name": me, "nonce": nonce_c.hex(), **hello_extra}))
+    kind, body = recv_hello_frame(sock)
     if kind is Kind.REFUSED:
         raise AuthenticationError(f"peer {expected!r} refused the handshake: {json.loads(body)['reason']}")
     if kind is not Kind.CHALLENGE:
@@ -59,9 +59,9 @@ def client_handshake(sock: socket.socket, me: str, expected: str, secret: bytes,
                                   f"(wrong secret on one side, or not the peer you think)")
     if server != expected:
         raise AuthenticationError(f"the agent at that address is {server!r}, not {expected!r}")
-    sock.sendall(json_frame(Kind.AUTH, {"mac": mac(secret, b"kvh-client", nonce_s, nonce_c, me.encode(),
-                                                   server.encode()).hex()}))
-    kind, _, body = recv_frame(sock)
+    sock.sendall(hello_frame(Kind.AUTH, {"mac": mac(secret, b"kvh-client", nonce_s, nonce_c, me.encode(),
+                                                    server.encode()).hex()}))
+    kind, body = recv_hello_frame(sock, MAX_BODY)
     if kind is not Kind.WELCOME:
         reason = json.loads(body).get("reason", kind.name) if kind is Kind.REFUSED else kind.name
         raise AuthenticationError(f"peer {expected!r} refused the handshake: {reason}")
@@ -72,26 +72,26 @@ def server_handshake(sock: socket.socket, me: str, secret: bytes, welcome: Calla
                      protocol: str = "") -> dict:
     """Authenticate both ways as server; returns the client's HELLO. Raises on any failure. A client
     speaking another application `protocol` is refused, with both names in the reason."""
-    kind, _, body = recv_frame(sock, MAX_PREAUTH_BODY)
+    kind, body = recv_hello_frame(sock)
     hello = json.loads(body)
     if kind is not Kind.HELLO or hello.get("v") != HANDSHAKE_VERSION:
         raise AuthenticationError(f"expected HELLO v{HANDSHAKE_VERSION}, got {kind.name} {hello.get('v')}")
     if hello.get("protocol", "") != protocol:
         reason = f"{hello.get('name')!r} speaks protocol {hello.get('protocol', '')!r}, {me!r} speaks {protocol!r}"
-        sock.sendall(json_frame(Kind.REFUSED, {"reason": reason}))
+        sock.sendall(hello_frame(Kind.REFUSED, {"reason": reason}))
         raise AuthenticationError(reason)
     client, nonce_c = str(hello["name"]), bytes.fromhex(hello["nonce"])
     if len(nonce_c) != 32:
         raise AuthenticationError("bad nonce")
     nonce_s = secrets.token_bytes(32)
-    sock.sendall(json_frame(Kind.CHALLENGE, {"name": me, "nonce": nonce_s.hex(), "mac": mac(
+    sock.sendall(hello_frame(Kind.CHALLENGE, {"name": me, "nonce": nonce_s.hex(), "mac": mac(
         secret, b"kvh-server", nonce_c, nonce_s, me.encode(), client.encode()).hex()}))
-    kind, _, body = recv_frame(sock, MAX_PREAUTH_BODY)
+    kind, body = recv_hello_frame(sock)
     expect = mac(secret, b"kvh-client", nonce_s, nonce_c, client.encode(), me.encode())
     if kind is not Kind.AUTH or not secrets.compare_digest(bytes.fromhex(json.loads(body)["mac"]), expect):
-        sock.sendall(json_frame(Kind.REFUSED, {"reason": "authentication failed (wrong shared secret?)"}))
+        sock.sendall(hello_frame(Kind.REFUSED, {"reason": "authentication failed (wrong shared secret?)"}))
         raise AuthenticationError(f"{client!r} failed authentication")
-    sock.sendall(json_frame(Kind.WELCOME, welcome()))
+    sock.sendall(hello_frame(Kind.WELCOME, welcome()))
     return hello
 
 
@@ -238,22 +238,23 @@ class Server:
         except OutOfBoundsError as e:
             conn.send([frame(Kind.FAILED, req_id, f"refused by {self.name!r}: {e}".encode())])
             return
-        conn.send(itertools.chain([FRAME.pack(Kind.READ_DATA, req_id, total)], views))
+        conn.send(itertools.chain([FRAME.pack(Kind.READ_DATA, req_id, total)], views, [padding(total)]))
         if notify:
             self._on_notify(conn.peer, notify)
 
     def _serve_write(self, conn: Inbound, req_id: int, body: bytearray) -> None:
         table, notify = parse_xfer_body(body)
         try:
-            _, views = self._views(table)
+            total, views = self._views(table)
         except OutOfBoundsError as e:
             total = sum(table["length"].tolist())
             if total > DRAIN_LIMIT:
                 raise ConnectionLost(f"refused WRITE of {total} bytes: {e}") from None
-            drain(conn.sock, total)                  # the payload follows the request: skip it, stay in step
+            drain(conn.sock, total + -total % ALIGN)  # the payload follows the request: skip it, stay in step
             conn.send([frame(Kind.FAILED, req_id, f"refused by {self.name!r}: {e}".encode())])
             return
         recv_into_buffers(conn.sock, views)
+        drain(conn.sock, -total % ALIGN)
         if notify:
             self._on_notify(conn.peer, notify)       # after the data landed: the notification means "ready"
         conn.send([frame(Kind.WRITE_DONE, req_id)])
@@ -310,9 +311,9 @@ class Channel:
         if op is Op.READ:
             self._send([head], small=True)
         elif handle.nbytes <= INLINE_SEND_BYTES:
-            self._send([head, *local_views], small=True)
+            self._send([head, *local_views, padding(handle.nbytes)], small=True)
         else:
-            self._send(itertools.chain([head], local_views))
+            self._send(itertools.chain([head], local_views, [padding(handle.nbytes)]))
 
     def notify(self, msg: bytes, handle: Handle | None = None) -> None:
         """Send a notification; `handle`, if given, finishes once it is on the wire (or fails)."""
@@ -388,15 +389,16 @@ class Channel:
                     if pending.views is None or length != pending.handle.nbytes:
                         raise ConnectionLost(f"READ_DATA of {length} bytes does not match request {req_id}")
                     recv_into_buffers(self.sock, pending.views)
+                    drain(self.sock, -length % ALIGN)
                     self._complete(req_id)
                 elif kind is Kind.WRITE_DONE:
                     self._complete(req_id)
                 elif kind is Kind.FAILED:
-                    self._complete(req_id, recv_exact(self.sock, length).decode(errors="replace"))
+                    self._complete(req_id, recv_body(self.sock, length).decode(errors="replace"))
                 elif kind is Kind.NOTIFY:
-                    self._on_notify(self.peer, bytes(recv_exact(self.sock, length)))
+                    self._on_notify(self.peer, bytes(recv_body(self.sock, length)))
                 elif kind is Kind.GRANTS:
-                    self._on_grants(self.peer, json.loads(recv_exact(self.sock, length)))
+                    self._on_grants(self.peer, json.loads(recv_body(self.sock, length)))
                 elif kind is Kind.PONG:
                     pass
                 else:
