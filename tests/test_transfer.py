@@ -243,6 +243,21 @@ def test_a_peer_of_another_protocol_is_refused_at_the_handshake(remote):
         assert same.add_peer(meta) == "remote"
 
 
+def test_a_peer_of_another_handshake_version_is_refused_in_words(remote):
+    """Version 2 put every frame after the handshake on 64-byte lines; the handshake's own frames did
+    not change, so an agent of version 1 is told why instead of reading garbage."""
+    import struct
+    meta = json.loads(remote.call("create", "remote", SECRET))
+    with socket.create_connection(tuple(meta["addr"]), timeout=10) as sock:
+        body = json.dumps({"v": 1, "name": "old", "nonce": "00" * 32}).encode()
+        sock.sendall(struct.pack("<B3xIQ", 1, 0, len(body)) + body)       # HELLO as version 1 sent it
+        kind, _, length = struct.unpack("<B3xIQ", sock.recv(16, socket.MSG_WAITALL))
+        reason = json.loads(sock.recv(length, socket.MSG_WAITALL))["reason"]
+    assert kind == 5, kind                                                 # REFUSED
+    assert "'old' speaks transfer handshake v1, 'remote' speaks v2" in reason
+    assert remote.call("peers") == []
+
+
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
 def test_killed_peer_fails_transfers_and_leaves_no_segments(remote, backend):
     local, _ = make_pair(remote, backend, region_bytes=64 * MIB, peer_timeout_s=5.0)

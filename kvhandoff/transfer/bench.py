@@ -5,9 +5,11 @@ plus the p50/p99 latency of one 4 KiB operation.
 Each transfer moves `total` bytes as blocks scattered with a stride (every other block of a pool
 twice that size, on both sides), like the blocks of a paged KV pool, so nothing coalesces and every
 block is a descriptor on the wire. memcpy copies the same block pattern between two private arrays,
-and again between the very buffers the transfers use; the sendmsg streams gather the same blocks
-into one socket and receive them contiguously, from the target (pull, a READ's direction) and to it
-(push, a WRITE's): what a hand-written loopback transfer would reach. Measurements alternate within
+and again between the very buffers the transfers use. The sendmsg streams gather the same block
+pattern out of private page-aligned memory into one socket and receive it contiguously, from the
+target (pull, a READ's direction) and to it (push, a WRITE's): what a hand-written loopback transfer
+would reach. A second pair of streams gathers from and scatters into the very blocks a tcp transfer
+moves, so the protocol alone stands against it. Measurements alternate within
 every repeat after a warm-up, each from cold caches, and ratios are medians of per-repeat ratios
 (MEASURING.md). The table's second line says how much of the segments huge pages map: on a 2-core
 Zen 4 VM, shm copied at 0.58-0.88x a private memcpy with 4 KiB pages (a /dev/shm without huge=) and
@@ -31,12 +33,14 @@ import numpy as np
 from kvhandoff.transfer.descriptors import DescList
 from kvhandoff.transfer.huge_tmpfs import private_huge_tmpfs
 from kvhandoff.transfer.memory import huge_page_share, open_segment, tmpfs_huge
-from kvhandoff.transfer.protocol import recv_filling, recv_into_buffers, send_buffers, tune
+from kvhandoff.transfer.protocol import (ALIGN, ConnectionLost, recv_exact, recv_filling, recv_into_buffers,
+                                         send_buffers, tune)
 
 KIB, MIB = 1 << 10, 1 << 20
 BLOCK_SIZES = (16 * KIB, 256 * KIB, 4 * MIB)
 LATENCY_BYTES = 4 * KIB
 SECRET = os.urandom(32)
+GET, PUT, DONE = (word.ljust(ALIGN) for word in (b"get", b"put", b"done"))
 
 
 @dataclass
@@ -56,9 +60,10 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------- baselines
 
 def serve_stream(total: int, block: int, pool: np.ndarray | None = None) -> int:
-    """Listen on loopback for one StreamClient; returns the port. Per command byte: b"g", gather-send
-    `total` bytes in strided blocks (like a READ's reply); b"p", receive `total` bytes, then answer one
-    byte (like a WRITE). With `pool` (the target's registered region), both use its very blocks, the
+    """Listen on loopback for one StreamClient; returns the port. Per command (a 64-byte line, like
+    our frame headers, so that no copy runs out of step with the blocks: protocol.py): GET, gather-send
+    `total` bytes in strided blocks (like a READ's reply); PUT, receive `total` bytes, then answer
+    DONE (like a WRITE). With `pool` (the target's registered region), both use its very blocks, the
     push scattered into them as a WRITE lands; without it, a private pool, and the push lands
     contiguously."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -70,15 +75,19 @@ def serve_stream(total: int, block: int, pool: np.ndarray | None = None) -> int:
         listener.close()
         tune(conn, None)
         with conn:
-            while command := conn.recv(1):
-                if command == b"g":
+            while True:
+                try:
+                    command = recv_exact(conn, len(GET))
+                except ConnectionLost:
+                    return
+                if command == GET:
                     send_buffers(conn, blocks)
                 else:
                     if sink is None:
                         recv_into_buffers(conn, blocks)
                     else:
                         recv_filling(conn, sink)
-                    conn.sendall(b"k")
+                    conn.sendall(DONE)
     threading.Thread(target=serve, name="bench-stream", daemon=True).start()
     return listener.getsockname()[1]
 
@@ -116,7 +125,7 @@ class StreamClient:
     def pull(self) -> float:
         """Seconds to receive `total` bytes the target gathers and sends (a READ's direction)."""
         t0 = time.perf_counter()
-        self.sock.sendall(b"g")
+        self.sock.sendall(GET)
         if self.buf is None:
             recv_into_buffers(self.sock, self.blocks)
         else:
@@ -126,8 +135,8 @@ class StreamClient:
     def push(self) -> float:
         """Seconds to gather-send `total` bytes to the target until it has them all (a WRITE's direction)."""
         t0 = time.perf_counter()
-        send_buffers(self.sock, [b"p", *self.blocks])
-        if self.sock.recv(1) != b"k":
+        send_buffers(self.sock, [PUT, *self.blocks])
+        if recv_exact(self.sock, len(DONE)) != DONE:
             raise ConnectionError("stream peer closed")
         return time.perf_counter() - t0
 

@@ -74,8 +74,13 @@ def server_handshake(sock: socket.socket, me: str, secret: bytes, welcome: Calla
     speaking another application `protocol` is refused, with both names in the reason."""
     kind, body = recv_hello_frame(sock)
     hello = json.loads(body)
-    if kind is not Kind.HELLO or hello.get("v") != HANDSHAKE_VERSION:
-        raise AuthenticationError(f"expected HELLO v{HANDSHAKE_VERSION}, got {kind.name} {hello.get('v')}")
+    if kind is not Kind.HELLO:
+        raise AuthenticationError(f"expected HELLO, got {kind.name}")
+    if hello.get("v") != HANDSHAKE_VERSION:
+        reason = (f"{hello.get('name')!r} speaks transfer handshake v{hello.get('v')}, {me!r} speaks "
+                  f"v{HANDSHAKE_VERSION}: run one kvhandoff version on both")
+        sock.sendall(hello_frame(Kind.REFUSED, {"reason": reason}))
+        raise AuthenticationError(reason)
     if hello.get("protocol", "") != protocol:
         reason = f"{hello.get('name')!r} speaks protocol {hello.get('protocol', '')!r}, {me!r} speaks {protocol!r}"
         sock.sendall(hello_frame(Kind.REFUSED, {"reason": reason}))
