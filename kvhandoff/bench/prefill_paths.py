@@ -86,6 +86,7 @@ def main(argv=None) -> int:
                                         max_num_batched_tokens=args.max_batched_tokens
                                         or max(lengths) * max(1, args.check_prompts),
                                         max_num_seqs=max(4, args.check_prompts)))
+        engine.runner.wait_populated()          # its pool's pages, committed beside us, not while we time
         if engine.loaded.model.fused_decode is None:
             log(f"{dtype}: no fused decode kernels here ({engine.kernels}): skipped")
             continue

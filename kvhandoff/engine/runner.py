@@ -6,6 +6,7 @@ model attends to the two kinds differently (see kvhandoff.model.llama).
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable
 
 import torch
@@ -14,6 +15,7 @@ from kvhandoff.config import ModelConfig
 from kvhandoff.engine.scheduler import ScheduledChunk
 from kvhandoff.model import kernels, paired_kv
 from kvhandoff.model.llama import BatchMetadata, LlamaModel, PrefillSeq
+from kvhandoff.model.pages import populate_in_background
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -30,16 +32,27 @@ class ModelRunner:
         # Layer-major (kvhandoff.model.llama): one layer's blocks side by side, so that a sequence's
         # adjacent blocks are one stream for its attention to read.
         shape = (cfg.num_layers, num_blocks, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
+        self.populating: threading.Thread | None = None
         if kv_memory is None and self.device.type == "cpu":
             # On huge pages where the kernel gives them: a decode step reads every sequence's blocks
-            # (16 sequences at 1,024 tokens of SmolLM2: 4-8% faster a step). Committed while the
-            # worker starts, on a thread of its own: not page by page while serving, and not on
-            # the start's own path either (up to seconds on a VM: streamed_memory).
-            self.kv_cache = kernels.streamed_memory(math.prod(shape), self.dtype, populate=True).view(shape)
+            # (16 sequences at 1,024 tokens of SmolLM2: 4-8% faster a step). Committed on a thread
+            # of its own while the rest of the start goes on (wait_populated): not page by page
+            # while serving, and not on the start's own path either. On a VM whose host takes back
+            # the memory its guest frees, fresh 2 MiB pages came at ~160 MB/s (a 512 MiB pool:
+            # 3.3 s), where pages the guest had just freed took 0.05 s.
+            memory = kernels.streamed_memory(math.prod(shape), self.dtype)
+            self.populating = populate_in_background(memory.view(torch.uint8).numpy(), read_fallback=False)
+            self.kv_cache = memory.view(shape)
         elif kv_memory is None:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         else:   # caller-provided bytes, e.g. a shared-memory region registered with a transfer agent
             self.kv_cache = kv_memory.view(self.dtype).view(shape)
+
+    def wait_populated(self, timeout: float | None = None) -> bool:
+        """Block until every page of the pool is in (True), or `timeout` passes (False)."""
+        if self.populating is not None:
+            self.populating.join(timeout)
+        return self.populating is None or not self.populating.is_alive()
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None] | None = None) -> torch.Tensor:

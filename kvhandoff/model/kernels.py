@@ -43,7 +43,6 @@ from torch import nn
 
 from kvhandoff.model import paired_kv
 from kvhandoff.model.build_cache import cached_build
-from kvhandoff.model.pages import populate_in_background
 
 log = logging.getLogger(__name__)
 
@@ -215,16 +214,12 @@ def native_bf16(in_features: int) -> bool:
 HUGE_PAGE = 2 << 20
 
 
-def streamed_memory(numel: int, dtype: torch.dtype, populate: bool = False) -> torch.Tensor:
+def streamed_memory(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed 1-D tensor on anonymous memory the kernel is asked to back with 2 MiB pages (madvise
     MADV_HUGEPAGE: in THP's common 'madvise' mode nothing is huge unless asked), for what each step
     streams through: with 4 KiB pages every 4 KiB read of weights or K/V may cost a TLB miss and
-    ends the hardware prefetcher's run. Where the kernel has no THP it is plain memory.
-
-    `populate`: every page is faulted in now, on a thread of its own, for memory the caller does not
-    write at once (a KV pool). Not on the caller's thread: on a VM whose host takes back the memory
-    its guest frees, fresh 2 MiB pages came at ~160 MB/s (a 512 MiB pool: 3.3 s of a worker's start,
-    where pages the guest had just freed took 0.05 s), and a start need not wait for them."""
+    ends the hardware prefetcher's run. Where the kernel has no THP it is plain memory, and either
+    way its pages come on first touch (a KV pool populates its own: engine/runner.py)."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -233,8 +228,6 @@ def streamed_memory(numel: int, dtype: torch.dtype, populate: bool = False) -> t
         pass
     raw = np.frombuffer(region, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
-    if populate:
-        populate_in_background(raw[start:start + nbytes], read_fallback=False)
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype)
 
 

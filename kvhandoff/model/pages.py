@@ -22,7 +22,7 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 log = logging.getLogger("kvhandoff.pages")
 
 
-def populate_in_background(array: np.ndarray, read_fallback: bool) -> None:
+def populate_in_background(array: np.ndarray, read_fallback: bool) -> threading.Thread:
     """Fault every page of `array` in now, on a thread of its own (madvise through ctypes, so without
     the GIL, and in chunks, so without the mmap lock for long: 0.2-0.9 s for a 512 MiB pool, which
     must not stall anyone), leaving its bytes alone: the
@@ -39,4 +39,6 @@ def populate_in_background(array: np.ndarray, read_fallback: bool) -> None:
                   "reading every page instead" if read_fallback else "pages fault in on first use")
         if read_fallback:
             array[::mmap.PAGESIZE].max()
-    threading.Thread(target=populate, name="kvh-populate", daemon=True).start()
+    thread = threading.Thread(target=populate, name="kvh-populate", daemon=True)
+    thread.start()
+    return thread

@@ -80,6 +80,10 @@ class Worker:
     agent: object = None                           # the transfer agent: closed last (it owns the KV pool)
 
     def start(self) -> None:
+        # Ready means serving at full speed: the pool's pages, committed while the worker was built,
+        # are all in before the first request (a 512 MiB pool: 0.4-1.7 s on a 2-core VM, most of it
+        # beside the rest of the start).
+        self.loop.engine.runner.wait_populated()
         for part in self.parts:
             part.start()
         self.loop.start()
