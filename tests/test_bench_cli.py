@@ -250,11 +250,13 @@ def test_demo_runs_every_mode(tmp_path):
     assert report["link"] == rate, (report["link"], report["link_note"])
     modes = ["pull", "push", "push-layerwise"]
     rows = report["isolated"][str(plan["prompt_tokens"])]
-    assert list(rows) == ["colocated-1core", *modes, *([f"{m}@{rate}" for m in modes] if rate else [])]
+    assert list(rows) == ["colocated-1core", "colocated-core1", *modes,
+                          *([f"{m}@{rate}" for m in modes] if rate else [])]
     for name, row in rows.items():
         assert row["n"] == plan["rounds"] and row["failed"] == 0, (name, row)
         assert row["outputs_equal_colocated"] == f"{plan['rounds']}/{plan['rounds']}", (name, row)
-        if name != "colocated-1core":
+        assert row["step_baseline"] == "colocated-core1", (name, row)      # decode steps: same core
+        if not name.startswith("colocated"):
             assert row["phases_ms"]["prefill_compute"] > 0 and row["bytes_transferred"] > 0, (name, row)
     if rate:                 # behind the link, pull's transfer is what the rate says it must be
         pulled, spec = rows[f"pull@{rate}"], LinkSpec.parse(rate)

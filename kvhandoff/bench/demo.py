@@ -81,7 +81,7 @@ class Calibration:
 
 def isolated_s(cal: Calibration, size: tuple[int, int, int], linked: bool) -> float:
     prompt, output, rounds = size
-    stacks = 1 + len(MODES)
+    stacks = 2 + len(MODES)             # colocated on each core, and every mode
     per_round = stacks * cal.request_s(prompt, output)
     warm_up = stacks * (cal.request_s(64, 8) + cal.request_s(prompt, 8))
     if linked:                      # pull and push wait for the whole transfer; layer-wise hides most of it
@@ -103,7 +103,7 @@ def multiturn_s(cal: Calibration, new_tokens: int, answer_tokens: int) -> float:
 
 def plan_isolated(cal: Calibration, left_s: float, budget_s: float, linked: bool) -> tuple[int, int, int]:
     reserve = max(MULTITURN_SHARE * budget_s, multiturn_s(cal, *MULTITURN_SIZES[-1]))
-    room = left_s - ESTIMATE_MARGIN * cal.stacks_startup_s(len(MODES) * (2 if linked else 1)) - reserve
+    room = left_s - ESTIMATE_MARGIN * cal.stacks_startup_s(1 + len(MODES) * (2 if linked else 1)) - reserve
     return next((s for s in ISOLATED_SIZES if ESTIMATE_MARGIN * isolated_s(cal, s, linked) <= room),
                 ISOLATED_SIZES[-1])
 
@@ -176,8 +176,9 @@ async def run(bench: disagg.Bench, budget_s: float, started: float, link: str) -
     report: dict = {"meta": {"model": args.model, "git_commit": git_commit(), "cpu": cpu_model(),
                              "cores": sorted(os.sched_getaffinity(0)), "budget_s": budget_s,
                              "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                             "pinning": "colocated-1core: core 0, 1 thread; disaggregated: prefill core 0, decode "
-                                        "core 1, 1 thread each; routers unpinned"}}
+                             "pinning": "colocated-1core: core 0, colocated-core1: core 1, 1 thread each; "
+                                        "disaggregated: prefill core 0, decode core 1, 1 thread each; "
+                                        "routers unpinned"}}
     async with open_session() as client:
         try:
             one_core = bench.stack(disagg.BASELINE_1CORE, COLOCATED, "0")
@@ -191,7 +192,9 @@ async def run(bench: disagg.Bench, budget_s: float, started: float, link: str) -
             log(f"plan: isolated {prompt}-token prompts, {output} tokens out, {rounds} rounds; slow link "
                 + (f"{rate} (KV of a prompt in ~{LINK_SHARE:.0%} of its prefill)" if rate else link_note))
             args.lengths, args.output_tokens, args.repeats = [prompt], output, rounds
-            free = [bench.stack(m, m, "0,1") for m in MODES]
+            # colocated again on the decode workers' core: their steps are judged against it (disagg.py)
+            free = [bench.stack(disagg.BASELINE_DECODE_CORE, COLOCATED, "1"),
+                    *(bench.stack(m, m, "0,1") for m in MODES)]
             linked = [bench.stack(f"{m}@{rate}", m, "0,1", "--link", rate) for m in MODES] if rate else []
             failed = start_measured(free, linked)
             if failed:

@@ -10,9 +10,12 @@ the client sees it; the server's `handoff.phases_ms` explain it):
 
 isolated  one request at a time, --lengths prompts, --output-tokens tokens each (ignore_eos): colocated on
           ONE core (`--cores 0`, 1 thread) against every disaggregated mode (prefill on core 0, decode on
-          core 1, 1 thread each). All stacks run at once and are measured in rotation, round after round
-          (A B C .., B C .. A, ...) so drift hits every stack alike; each round sends every stack the same
-          fresh prompt (distinct per round: no prefix-cache hit), so outputs are compared across stacks.
+          core 1, 1 thread each); TTFT against colocated on core 0 (the prefills' core), the decode step
+          against colocated on core 1 too (the decode workers' core): on a 2-core VM one core ran the same
+          engine's 2,048-token decode step 1.0-1.5x slower than the other, for minutes at a time. All
+          stacks run at once and are measured in rotation, round after round (A B C .., B C .. A, ...)
+          so drift hits every stack alike; each round sends every stack the same fresh prompt (distinct
+          per round: no prefix-cache hit), so outputs are compared across stacks.
           Medians of --repeats rounds; ratios are medians of per-round ratios to colocated.
           --links: every mode also behind each emulated link named (`kvhandoff up --link`, root needed;
           stacks MODE@LINK), measured in the same rotation: what each order of handoff pays when moving
@@ -57,6 +60,7 @@ from kvhandoff.wire.modes import COLOCATED, NAMES, Mode
 
 DISAGG_MODES = NAMES
 BASELINE_1CORE, BASELINE_2CORE = "colocated-1core", "colocated-2core"
+BASELINE_DECODE_CORE = "colocated-core1"     # colocated-1core's twin on core 1, the decode workers' core
 # Goals of issue 4 (isolated requests).
 GOAL_SLOW_TTFT_X = 1.02           # issue 46, slow prefill: every mode's TTFT <= 1.02x colocated-one-core's (the
                                   # first token leaves with the prefill's answer: no transfer is on its path)
@@ -142,8 +146,8 @@ async def calibrate(bench: Bench, client: aiohttp.ClientSession, stack: Stack) -
 
 async def run_isolated(bench: Bench, client: aiohttp.ClientSession) -> list[Sample]:
     args = bench.args
-    names = [BASELINE_1CORE, *args.modes,
-             *(f"{m}@{link}" for link in args.links if link != FREE for m in args.modes)]
+    baselines = [BASELINE_1CORE, *([BASELINE_DECODE_CORE] if BASELINE_DECODE_CORE in bench.stacks else [])]
+    names = [*baselines, *args.modes, *(f"{m}@{link}" for link in args.links if link != FREE for m in args.modes)]
     stacks = [bench.stacks[n] for n in names]
     log("warm-up: one short and one long request per stack")
     for stack in stacks:
@@ -196,23 +200,29 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
     out = {}
     for length in lengths:
         rows = {}
+        def rounds(stack: str) -> dict[int, Sample]:
+            return {s.round: s for s in samples if s.stack == stack and s.target_len == length and s.result.ok}
+        base = rounds(BASELINE_1CORE)
+        # A decode step against colocated's on the same core as the decode worker's, where there is one.
+        step_baseline = BASELINE_DECODE_CORE if rounds(BASELINE_DECODE_CORE) else BASELINE_1CORE
+        step_base = rounds(step_baseline)
         for name in names:
             mine = [s for s in samples if s.stack == name and s.target_len == length and s.result.ok]
-            base = {s.round: s for s in samples if s.stack == BASELINE_1CORE and s.target_len == length and s.result.ok}
             ttft_x = [s.result.ttft_ms / base[s.round].result.ttft_ms for s in mine if s.round in base]
             ttft_delta = [s.result.ttft_ms - base[s.round].result.ttft_ms for s in mine if s.round in base]
             overheads = [(overhead_ms(s.result), overhead_ms(base[s.round].result)) for s in mine if s.round in base]
             overhead_delta = [ours - theirs for ours, theirs in overheads if ours is not None and theirs is not None]
-            tpot_x = [s.result.tpot_ms / base[s.round].result.tpot_ms for s in mine
-                      if s.round in base and s.result.tpot_ms and base[s.round].result.tpot_ms]
-            step_x = [step_ms(s.result) / step_ms(base[s.round].result) for s in mine
-                      if s.round in base and step_ms(s.result) and step_ms(base[s.round].result)]
+            tpot_x = [s.result.tpot_ms / step_base[s.round].result.tpot_ms for s in mine
+                      if s.round in step_base and s.result.tpot_ms and step_base[s.round].result.tpot_ms]
+            step_x = [step_ms(s.result) / step_ms(step_base[s.round].result) for s in mine
+                      if s.round in step_base and step_ms(s.result) and step_ms(step_base[s.round].result)]
             phases = {p: med([(s.result.handoff or {}).get("phases_ms", {}).get(p) for s in mine])
                       for p in (*PHASES, *TTFT_PHASES)}
             path = [sum(((s.result.handoff or {}).get("phases_ms") or {}).get(p) or 0 for p in TTFT_PHASES) / s.result.ttft_ms
                     for s in mine if ((s.result.handoff or {}).get("phases_ms") or {}).get("relay") is not None]
-            worker_step_x = [worker_step_ms(s.result) / worker_step_ms(base[s.round].result) for s in mine
-                             if s.round in base and worker_step_ms(s.result) and worker_step_ms(base[s.round].result)]
+            worker_step_x = [worker_step_ms(s.result) / worker_step_ms(step_base[s.round].result) for s in mine
+                             if s.round in step_base and worker_step_ms(s.result)
+                             and worker_step_ms(step_base[s.round].result)]
             same = [s.result.text == base[s.round].result.text for s in mine if s.round in base]
             # Behind an emulated link: against the same mode on the free link, round by round (a ratio of
             # medians let one slow free-link round decide it; the demo's 512-token TTFTs moved by 25%
@@ -227,6 +237,7 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
                 "prompt_tokens": med([s.result.prompt_tokens for s in mine]),
                 "ttft_ms": med([s.result.ttft_ms for s in mine]), "tpot_ms": med([s.result.tpot_ms for s in mine]),
                 "ttft_x_colocated": med(ttft_x), "tpot_x_colocated": med(tpot_x), "step_x_colocated": med(step_x),
+                "step_baseline": step_baseline,         # what tpot_x, step_x and worker_step_x are against
                 # the spread of the per-round figures a goal is judged on (quartiles): a goal missed by
                 # less than this run's round-to-round spread is missed within its noise
                 "worker_step_x_colocated": med(worker_step_x),
@@ -280,15 +291,16 @@ def isolated_goals(summary: dict) -> list[dict]:
                     abs(1 - row["ttft_accounted"]) <= 1 - GOAL_ACCOUNTED)
         for name in DISAGG_MODES:
             row = rows.get(name)
+            base = (row or {}).get("step_baseline", BASELINE_1CORE)
             if row and row.get("step_x_colocated") is not None:
                 # Measured after the second token: TPOT also carries the gap to it (the transfer, the
                 # decode's first step), which the first token leaving early moved out of TTFT (2nd tok column).
-                add(f"{name} decode step (after the 2nd token) / colocated-1core's", row["step_x_colocated"],
+                add(f"{name} decode step (after the 2nd token) / {base}'s", row["step_x_colocated"],
                     GOAL_STEP_X, row["step_x_colocated"] <= GOAL_STEP_X, row.get("step_x_quartiles"))
             if row and row.get("worker_step_x_colocated") is not None:
                 # The same, as the workers' engines timed their own steps: what the decode worker does
                 # after a handoff, without the router's relay of each token (colocated-1core has none).
-                add(f"{name} decode worker's own step / colocated-1core's", row["worker_step_x_colocated"],
+                add(f"{name} decode worker's own step / {base}'s", row["worker_step_x_colocated"],
                     GOAL_STEP_X, row["worker_step_x_colocated"] <= GOAL_STEP_X, row.get("worker_step_x_quartiles"))
         # (Issue 4's goal that push's TTFT beat pull's is gone with issue 24 too: neither first token waits
         # for the transfer any more, so what is left between them is the prefill's own noise.)
@@ -415,7 +427,8 @@ def med(values: list) -> float | None:
 
 
 def print_isolated(summary: dict, goals: list[dict]) -> None:
-    print("\nIsolated requests (one at a time): medians; x = median of per-round ratios to colocated-1core")
+    print("\nIsolated requests (one at a time): medians; x = median of per-round ratios to colocated-1core (TTFT)\n"
+          f"and to colocated on the decode workers' core ({BASELINE_DECODE_CORE}, TPOT and decode steps) where it ran")
     head = (f"{'prompt':>6} {'stack':<24} {'TTFT ms':>8} {'+ms':>6} {'-compute':>8} {'2nd tok':>7} {'1st from':>8} "
             f"{'accounted':>9} " + " ".join(f"{p[:14]:>14}" for p in TTFT_PHASES))
     print("The first token's path: what the handoff adds to TTFT (+ms, median of per-round differences; -compute:\n"
@@ -427,7 +440,8 @@ def print_isolated(summary: dict, goals: list[dict]) -> None:
             print(f"{round(r['prompt_tokens'] or int(length)):>6} {name:<24} {fmt(r['ttft_ms']):>8} "
                   f"{fmt(r['ttft_delta_ms'], '.1f'):>6} {fmt(r.get('overhead_delta_ms'), '.1f'):>8} "
                   f"{fmt(r['second_token_ms'], '.1f'):>7} "
-                  f"{r['first_from_prefill'] if name != BASELINE_1CORE else '-':>8} {fmt(r['ttft_accounted'], '.3f'):>9} "
+                  f"{'-' if name in (BASELINE_1CORE, BASELINE_DECODE_CORE) else r['first_from_prefill']:>8} "
+                  f"{fmt(r['ttft_accounted'], '.3f'):>9} "
                   + " ".join(f"{fmt(r['phases_ms'].get(p), '.2f'):>14}" for p in TTFT_PHASES))
     print()
     head = (f"{'prompt':>6} {'stack':<24} {'TTFT ms':>8} {'x':>5} {'TPOT ms':>7} {'x':>5} "
@@ -582,8 +596,9 @@ async def amain(bench: Bench) -> dict:
                        "lengths": args.lengths, "repeats": args.repeats, "seed": args.seed, "links": args.links,
                        "worker_args": args.worker_args, "git_commit": git_commit(), "cpu": cpu_model(),
                        "cores": sorted(os.sched_getaffinity(0)), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                       "pinning": "colocated-1core: core 0, 1 thread; colocated-2core: cores 0-1, 2 threads; "
-                                  "disaggregated: prefill core 0, decode core 1, 1 thread each; routers unpinned"}}
+                       "pinning": "colocated-1core: core 0, 1 thread; colocated-core1: core 1, 1 thread; "
+                                  "colocated-2core: cores 0-1, 2 threads; disaggregated: prefill core 0, decode "
+                                  "core 1, 1 thread each; routers unpinned"}}
     args.out.mkdir(parents=True, exist_ok=True)
     disagg = [bench.stack(m, m, "0,1") for m in args.modes]
     linked = [bench.stack(f"{m}@{link}", m, "0,1", "--link", link)
@@ -593,13 +608,14 @@ async def amain(bench: Bench) -> dict:
         try:
             if not args.skip_isolated:
                 one_core = bench.stack(BASELINE_1CORE, COLOCATED, "0")
-                start_stacks([one_core, *disagg, *linked])
+                decode_core = bench.stack(BASELINE_DECODE_CORE, COLOCATED, "1")
+                start_stacks([one_core, decode_core, *disagg, *linked])
                 bench.model = one_core.model_name()
                 await calibrate(bench, client, one_core)
                 iso = await run_isolated(bench, client)
                 samples += iso
-                stop_all([one_core, *linked])   # the loaded run is on the free link only
-                names = [BASELINE_1CORE, *args.modes, *(s.name for s in linked)]
+                stop_all([one_core, decode_core, *linked])   # the loaded run is on the free link only
+                names = [BASELINE_1CORE, BASELINE_DECODE_CORE, *args.modes, *(s.name for s in linked)]
                 report["isolated"] = summarize_isolated(iso, names, args.lengths)
                 report["isolated_goals"] = isolated_goals(report["isolated"])
                 print_isolated(report["isolated"], report["isolated_goals"])
