@@ -36,8 +36,8 @@ class ModelRunner:
         if kv_memory is None and self.device.type == "cpu":
             # On huge pages where the kernel gives them: a decode step reads every sequence's blocks
             # (16 sequences at 1,024 tokens of SmolLM2: 4-8% faster a step). Committed on a thread
-            # of its own while the rest of the start goes on (wait_populated): not page by page
-            # while serving, and not on the start's own path either. On a VM whose host takes back
+            # of its own while the rest of the start goes on, and waited for at its end
+            # (wait_populated), so that no request pays for a page. On a VM whose host takes back
             # the memory its guest frees, fresh 2 MiB pages came at ~160 MB/s (a 512 MiB pool:
             # 3.3 s), where pages the guest had just freed took 0.05 s.
             memory = kernels.streamed_memory(math.prod(shape), self.dtype)

@@ -25,8 +25,8 @@ log = logging.getLogger("kvhandoff.pages")
 def populate_in_background(array: np.ndarray, read_fallback: bool) -> threading.Thread:
     """Fault every page of `array` in now, on a thread of its own (madvise through ctypes, so without
     the GIL, and in chunks, so without the mmap lock for long: 0.2-0.9 s for a 512 MiB pool, which
-    must not stall anyone), leaving its bytes alone: the
-    owner may write it meanwhile, and `array` keeps the mapping alive. On a kernel that refuses the
+    must not stall anyone), leaving its bytes alone: the owner may write it meanwhile, and `array`
+    keeps the mapping alive; the thread is returned for whoever must wait. On a kernel that refuses the
     advice (before 5.14): with `read_fallback`, by reading a byte of every page, which numpy does
     without the GIL (a read fault maps a page of a shared writable mapping writable); without it,
     pages fault in on first use (a private page read maps only the zero page)."""

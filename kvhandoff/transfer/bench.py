@@ -98,7 +98,10 @@ def page_aligned(nbytes: int, fill: int) -> np.ndarray:
     two sides of a copy are out of step by such an amount (protocol.py): a baseline there would
     measure the misalignment, not the machine."""
     mapping = mmap.mmap(-1, nbytes)
-    mapping.madvise(mmap.MADV_HUGEPAGE)           # as numpy asks for its large arrays
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)       # as numpy asks for its large arrays
+    except (AttributeError, OSError):             # no transparent huge pages here
+        pass
     array = np.frombuffer(mapping, np.uint8)
     array[:] = fill
     return array
