@@ -207,7 +207,7 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
         step_baseline = BASELINE_DECODE_CORE if rounds(BASELINE_DECODE_CORE) else BASELINE_1CORE
         step_base = rounds(step_baseline)
         for name in names:
-            mine = [s for s in samples if s.stack == name and s.target_len == length and s.result.ok]
+            mine = list(rounds(name).values())
             ttft_x = [s.result.ttft_ms / base[s.round].result.ttft_ms for s in mine if s.round in base]
             ttft_delta = [s.result.ttft_ms - base[s.round].result.ttft_ms for s in mine if s.round in base]
             overheads = [(overhead_ms(s.result), overhead_ms(base[s.round].result)) for s in mine if s.round in base]
@@ -228,7 +228,7 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
             # medians let one slow free-link round decide it; the demo's 512-token TTFTs moved by 25%
             # from round to round on a 2-core AVX2 machine).
             mode, _, link = name.partition("@")
-            free = {s.round: s for s in samples if link and s.stack == mode and s.target_len == length and s.result.ok}
+            free = rounds(mode) if link else {}
             link_x = [s.result.ttft_ms / free[s.round].result.ttft_ms for s in mine
                       if s.round in free and s.result.ttft_ms and free[s.round].result.ttft_ms]
             rows[name] = {

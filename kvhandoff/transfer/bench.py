@@ -67,8 +67,7 @@ def serve_stream(total: int, block: int, pool: np.ndarray | None = None) -> int:
     push scattered into them as a WRITE lands; without it, a private pool, and the push lands
     contiguously."""
     listener = socket.create_server(("127.0.0.1", 0))
-    blocks = _strided(pool if pool is not None else page_aligned(2 * total, 1), total, block)
-    sink = memoryview(page_aligned(total, 0)) if pool is None else None
+    end = StreamEnd.of(total, block, pool)
 
     def serve() -> None:
         conn, _ = listener.accept()
@@ -81,12 +80,9 @@ def serve_stream(total: int, block: int, pool: np.ndarray | None = None) -> int:
                 except ConnectionLost:
                     return
                 if command == GET:
-                    send_buffers(conn, blocks)
+                    send_buffers(conn, end.blocks)
                 else:
-                    if sink is None:
-                        recv_into_buffers(conn, blocks)
-                    else:
-                        recv_filling(conn, sink)
+                    end.receive(conn)
                     conn.sendall(DONE)
     threading.Thread(target=serve, name="bench-stream", daemon=True).start()
     return listener.getsockname()[1]
@@ -107,10 +103,26 @@ def page_aligned(nbytes: int, fill: int) -> np.ndarray:
     return array
 
 
-def _strided(pool: np.ndarray, total: int, block: int) -> list[memoryview]:
-    """Every other `block` of `pool` (2 x total bytes): the layout every transfer here moves."""
-    view = memoryview(pool)
-    return [view[2 * i * block:2 * i * block + block] for i in range(total // block)]
+@dataclass
+class StreamEnd:
+    """One end of a raw stream: the strided blocks it sends, and where it receives (into the same
+    blocks, as a transfer lands, or contiguously into `sink`)."""
+    blocks: list[memoryview]
+    sink: memoryview | None
+
+    @classmethod
+    def of(cls, total: int, block: int, pool: np.ndarray | None) -> StreamEnd:
+        """Every other `block` of `pool` (2 x total bytes, the layout every transfer here moves), or of
+        private page-aligned memory with a contiguous sink when there is no pool."""
+        view = memoryview(pool if pool is not None else page_aligned(2 * total, 1))
+        return cls([view[2 * i * block:2 * i * block + block] for i in range(total // block)],
+                   memoryview(page_aligned(total, 0)) if pool is None else None)
+
+    def receive(self, sock: socket.socket) -> None:
+        if self.sink is None:
+            recv_into_buffers(sock, self.blocks)
+        else:
+            recv_filling(sock, self.sink)
 
 
 class StreamClient:
@@ -122,23 +134,19 @@ class StreamClient:
     def __init__(self, port: int, total: int, block: int, pool: np.ndarray | None = None):
         self.sock = socket.create_connection(("127.0.0.1", port))
         tune(self.sock, None)
-        self.buf = memoryview(page_aligned(total, 0)) if pool is None else None
-        self.blocks = _strided(pool if pool is not None else page_aligned(2 * total, 1), total, block)
+        self.end = StreamEnd.of(total, block, pool)
 
     def pull(self) -> float:
         """Seconds to receive `total` bytes the target gathers and sends (a READ's direction)."""
         t0 = time.perf_counter()
         self.sock.sendall(GET)
-        if self.buf is None:
-            recv_into_buffers(self.sock, self.blocks)
-        else:
-            recv_filling(self.sock, self.buf)
+        self.end.receive(self.sock)
         return time.perf_counter() - t0
 
     def push(self) -> float:
         """Seconds to gather-send `total` bytes to the target until it has them all (a WRITE's direction)."""
         t0 = time.perf_counter()
-        send_buffers(self.sock, [PUT, *self.blocks])
+        send_buffers(self.sock, [PUT, *self.end.blocks])
         if recv_exact(self.sock, len(DONE)) != DONE:
             raise ConnectionError("stream peer closed")
         return time.perf_counter() - t0

@@ -77,9 +77,13 @@ def mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
+def pad_length(n: int) -> int:
+    """How many zeros follow `n` bytes of body or payload, up to the next multiple of ALIGN."""
+    return -n % ALIGN
+
+
 def padding(n: int) -> bytes:
-    """The zeros that follow `n` bytes of body or payload up to the next multiple of ALIGN."""
-    return bytes(-n % ALIGN)
+    return bytes(pad_length(n))
 
 
 def frame(kind: Kind, req_id: int = 0, body: bytes = b"") -> bytes:
@@ -135,7 +139,7 @@ def recv_frame(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[Kind, int
 
 def recv_body(sock: socket.socket, length: int) -> bytearray:
     """A frame's `length`-byte body, its padding received and dropped."""
-    body = recv_exact(sock, length + -length % ALIGN)
+    body = recv_exact(sock, length + pad_length(length))
     del body[length:]
     return body
 

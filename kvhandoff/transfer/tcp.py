@@ -29,10 +29,11 @@ import numpy as np
 from kvhandoff.transfer.errors import AuthenticationError, OutOfBoundsError
 from kvhandoff.transfer.handle import Handle, Op
 from kvhandoff.transfer.memory import Region
-from kvhandoff.transfer.protocol import (ALIGN, FRAME, HANDSHAKE_VERSION, MAX_BODY, STALLED, ConnectionLost, Kind,
-                                         byte_views, drain, frame, hello_frame, json_frame, mac, padding,
-                                         parse_xfer_body, recv_body, recv_exact, recv_frame, recv_hello_frame,
-                                         recv_into_buffers, send_buffers, send_nowait, set_timeout, tune, xfer_body)
+from kvhandoff.transfer.protocol import (FRAME, HANDSHAKE_VERSION, MAX_BODY, STALLED, ConnectionLost, Kind,
+                                         byte_views, drain, frame, hello_frame, json_frame, mac, pad_length,
+                                         padding, parse_xfer_body, recv_body, recv_exact, recv_frame,
+                                         recv_hello_frame, recv_into_buffers, send_buffers, send_nowait,
+                                         set_timeout, tune, xfer_body)
 
 log = logging.getLogger(__name__)
 DRAIN_LIMIT = 1 << 30       # a refused WRITE larger than this closes the connection instead of being drained
@@ -255,11 +256,11 @@ class Server:
             total = sum(table["length"].tolist())
             if total > DRAIN_LIMIT:
                 raise ConnectionLost(f"refused WRITE of {total} bytes: {e}") from None
-            drain(conn.sock, total + -total % ALIGN)  # the payload follows the request: skip it, stay in step
+            drain(conn.sock, total + pad_length(total))  # the payload follows the request: skip it, stay in step
             conn.send([frame(Kind.FAILED, req_id, f"refused by {self.name!r}: {e}".encode())])
             return
         recv_into_buffers(conn.sock, views)
-        drain(conn.sock, -total % ALIGN)
+        drain(conn.sock, pad_length(total))
         if notify:
             self._on_notify(conn.peer, notify)       # after the data landed: the notification means "ready"
         conn.send([frame(Kind.WRITE_DONE, req_id)])
@@ -394,7 +395,7 @@ class Channel:
                     if pending.views is None or length != pending.handle.nbytes:
                         raise ConnectionLost(f"READ_DATA of {length} bytes does not match request {req_id}")
                     recv_into_buffers(self.sock, pending.views)
-                    drain(self.sock, -length % ALIGN)
+                    drain(self.sock, pad_length(length))
                     self._complete(req_id)
                 elif kind is Kind.WRITE_DONE:
                     self._complete(req_id)
