@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from kvhandoff.config import EngineConfig
-from kvhandoff.engine.block_pool import BlockPool
+from kvhandoff.engine.block_pool import STORED, BlockPool
 from kvhandoff.engine.engine import LLMEngine
 from kvhandoff.engine.holds import Hold, set_aside_owner
 from kvhandoff.engine.kv_connector import KVConnector, KVEvents, Lost
-from kvhandoff.engine.loop import EngineLoop
+from kvhandoff.engine.loop import KV_EVENTS_EVERY_S, EngineLoop
 from kvhandoff.engine.request import RequestState, SamplingParams
 from kvhandoff.engine.sampler import greedy_tokens
 from kvhandoff.model import kernels
@@ -331,6 +331,33 @@ def test_loop_failure_fails_requests_instead_of_hanging(prompts):
         assert not loop.is_alive()
         with pytest.raises(RuntimeError, match="scheduler bug"):
             loop.submit("late", prompts[0], GREEDY, on_output)
+    finally:
+        loop.stop()
+
+
+def test_a_busy_loop_hands_its_kv_events_on_in_batches_and_every_one_before_it_sleeps(prompts):
+    """Each hand-over wakes a worker's event publisher, which then takes the engine's core: while the
+    engine has work, its pool's events are gathered for KV_EVENTS_EVERY_S at a time; once it has none,
+    whatever is left goes at once (a router must not wait for a quiet worker's last events)."""
+    engine = make_engine(num_blocks=64)
+    loop = EngineLoop(engine)
+    handed = []
+    loop.on_kv_events = lambda events: handed.append((time.monotonic(), list(events)))
+    finished = threading.Event()
+    loop.start()
+    try:
+        params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+        loop.submit("long", prompts[1], params, lambda out: out.finished and finished.set())
+        assert finished.wait(60) and waited_for(lambda: loop.asleep)
+        times = [at for at, _ in handed]
+        # (the last one may come sooner: the engine ran out of work)
+        assert all(later - earlier >= KV_EVENTS_EVERY_S for earlier, later in zip(times[:-2], times[1:-1])), times
+        # A short request (a few ms) stores the blocks of its prompt: they go as the loop falls asleep.
+        finished.clear()
+        loop.submit("short", prompts[3], SamplingParams(max_tokens=2, temperature=0), lambda out: out.finished and finished.set())
+        assert finished.wait(60) and waited_for(lambda: loop.asleep)
+        stored = [event for _, events in handed for event in events if event[0] == STORED]
+        assert stored and stored == engine.pool.snapshot() and not engine.pool.events
     finally:
         loop.stop()
 

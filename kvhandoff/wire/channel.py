@@ -107,9 +107,14 @@ class Framed(asyncio.Protocol):
         payload = _encode(frame)
         self.transport.write(LENGTH.pack(len(payload)) + payload)
 
+    @property
+    def paused(self) -> bool:
+        """Over the send buffer's high-water mark (`drain` waits)."""
+        return self._writable is not None and not self.closed
+
     async def drain(self) -> None:
         """Wait while the connection's send buffer is over its high-water mark."""
-        if self._writable is not None and not self.closed:
+        if self.paused:
             await asyncio.shield(self._writable)
 
     def pause_writing(self) -> None:
@@ -270,7 +275,8 @@ class ServerLeg:
         if not message.get("more_body", False):
             self.ended = True
             connection.send((Kind.END, self.leg_id, None))
-        await connection.drain()
+        if connection.paused:       # (a token's event: no coroutine to wait on when there is room)
+            await connection.drain()
 
     def credit(self, taken: int) -> None:
         self.unacked = max(0, self.unacked - taken)

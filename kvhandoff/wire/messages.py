@@ -292,8 +292,7 @@ class EventNote(msgspec.Struct):
     tags: frozenset = frozenset()
 
     def line(self) -> str:
-        tags = "".join(f" {t}" for t in sorted(self.tags))
-        return f"{EVENT_NOTE} ids={','.join(map(str, self.ids))} chars={self.chars}{tags}\n"
+        return note_line(self.ids, self.chars, "".join(f" {t}" for t in sorted(self.tags)))
 
     @classmethod
     def parse(cls, line: str) -> "EventNote | None":
@@ -313,6 +312,14 @@ class EventNote(msgspec.Struct):
             except ValueError:
                 return None
         return None if ids is None or chars is None else cls(ids, chars, frozenset(tags))
+
+
+def note_line(ids: list[int], chars: int, tags: str = "") -> str:
+    """EventNote(ids, chars, tags).line() without building one: a decode worker writes one before
+    every token's event, on its engine's core (the Struct and the sorted tags cost 3 us a token, a
+    twentieth of the whole relay; this, 0.3-0.9). `tags`: each with a space before it (" final")."""
+    joined = str(ids[0]) if len(ids) == 1 else ",".join(map(str, ids))
+    return f"{EVENT_NOTE} ids={joined} chars={chars}{tags}\n"
 
 
 class PushPrefillAnswer(Message):

@@ -213,7 +213,8 @@ class DecodeSide:
                 faults.reached("decode", kv.handoff_id, delay_s=KILL_DELAY_S)
             on_output(out)
         try:
-            self.door.submit(self, incoming, kv.handoff_id, prompt_ids, params, with_faults,
+            self.door.submit(self, incoming, kv.handoff_id, prompt_ids, params,
+                             with_faults if faults.kill_at == "decode" else on_output,
                              remote_tokens=len(prompt_ids), retain=kv.retain and self.retention is not None)
         except ValueError as exc:
             self.table.claim(kv.handoff_id, str(exc), incoming)

@@ -14,6 +14,8 @@ from kvhandoff.engine.loop import EngineLoop
 from kvhandoff.engine.request import RequestOutput, SamplingParams
 from kvhandoff.worker.kv_layout import KVLayout, block_checksums
 
+NO_EVENTS = KVEvents()      # what poll() returns most steps (never changed: the engine only reads it)
+
 
 class EngineDoor:
     def __init__(self, loop: EngineLoop):
@@ -43,6 +45,8 @@ class EngineDoor:
         self.loop.wake()
 
     def poll(self) -> KVEvents:
+        if not self._events:        # (every step; one being added now wakes the loop for the next)
+            return NO_EVENTS
         with self._events_lock:
             events, self._events = self._events, KVEvents()
         return events

@@ -1,8 +1,9 @@
 """The worker's KV-event publisher: what its prefix cache and its retained conversations hold, as
 vLLM-format events for every router (wire/kv_events.py has the format and the transport).
 
-The engine thread produces the events (the block pool's after each round, the retention's as it keeps
-and lets go: plain tuples, since the engine knows nothing of the wire) and puts them on a queue; one
+The engine thread produces the events (the block pool's, gathered while the engine is busy for up to
+engine/loop.KV_EVENTS_EVERY_S, the retention's as it keeps and lets go, after the pool's before them:
+plain tuples, since the engine knows nothing of the wire) and puts them on a queue; one
 thread here turns them into batches, numbers them, sends them on the PUB socket, keeps the last
 REPLAY_BUFFER for replay, and answers replay requests on the ROUTER socket. A snapshot (for a router
 whose gap the buffer no longer covers) is taken on the engine thread, which first hands over every
@@ -241,11 +242,14 @@ def attach(loop: EngineLoop, retention: Retention | None, secret: bytes, host: s
     pool = loop.engine.pool
 
     def snapshot() -> list[tuple]:              # engine thread
-        if pool.events:
-            publisher.publish(pool.take_events())
+        loop.flush_kv_events()
         return pool.snapshot() + (retention.snapshot() if retention is not None else [])
+
+    def retained(events: list[tuple]) -> None:  # engine thread: after the pool's, which the loop may hold
+        loop.flush_kv_events()
+        publisher.publish(events)
     publisher = Publisher(secret, host, pool.block_size, "CPU", loop.call, snapshot, drop_every)
     loop.on_kv_events = publisher.publish
     if retention is not None:
-        retention.publish = publisher.publish
+        retention.publish = retained
     return publisher

@@ -265,13 +265,13 @@ class Server:
         `timings`), then the usage chunk when asked for, then [DONE]. Closing early aborts. `ids`:
         the client asked for token ids (each chunk carries those generated since the last one).
         `notes`: the router asked (messages.EventNote before every event)."""
-        note = notes.note if notes else (lambda *tags, text="": "")
+        note = notes.note if notes else (lambda tags, text="": "")
         try:
             for c in first:
-                yield note("head") + sse_event(ids.first(c) if ids else c)
+                yield note(" head") + sse_event(ids.first(c) if ids else c)
             async for out in stream:
                 if out.finished and out.finish_reason == FinishReason.ERROR:
-                    yield note("error") + sse_event(P.error_body(f"generation failed: {out.error}", "server_error"))
+                    yield note(" error") + sse_event(P.error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if ids:
                     ids.pending += out.new_token_ids
@@ -283,22 +283,22 @@ class Server:
                     # The prefill sent this token's chunk as a non-final one: the same here (the router
                     # drops it), then the end on its own.
                     c = chunk(replace(out, finished=False, finish_reason=None))
-                    yield notes.note("first", text=out.new_text) + sse_event(ids.chunk(c) if ids else c)
+                    yield notes.note(" first", text=out.new_text) + sse_event(ids.chunk(c) if ids else c)
                     out = replace(out, new_text="", new_token_ids=[])
-                tags = ("first",) if notes and notes.is_first(out) else ()
+                tags = " first" if notes and notes.is_first(out) else ""
                 c = ids.chunk(chunk(out)) if ids else chunk(out)
                 if out.finished:
                     c["timings"] = out.timings
                     if out.handoff is not None:
                         c["handoff"] = out.handoff
-                    tags += ("final",)
-                yield note(*tags, text=out.new_text) + sse_event(c)
+                    tags += " final"
+                yield note(tags, text=out.new_text) + sse_event(c)
                 if out.finished and usage_chunk is not None:
                     usage_chunk.update(usage=P.usage(out.num_prompt_tokens, out.num_output_tokens,
                                                      out.num_cached_tokens), timings=out.timings)
                     if out.handoff is not None:         # the last chunk carries it too
                         usage_chunk["handoff"] = out.handoff
-                    yield note("final") + sse_event(usage_chunk)
+                    yield note(" final") + sse_event(usage_chunk)
             yield "data: [DONE]\n\n"
         finally:                       # client disconnect cancels us here: abort frees the blocks
             self.release(stream)
@@ -364,9 +364,10 @@ class EventNotes:
         """Is this output the first token of a handoff (the router may have sent it already)?"""
         return self.handoff and out.num_output_tokens == 1 and bool(out.new_text)
 
-    def note(self, *tags: str, text: str = "") -> str:
+    def note(self, tags: str, text: str = "") -> str:
+        """The note before an event; `tags` each with a space before it (" first final")."""
         self.chars += len(text)
-        line = M.EventNote(self.pending, self.chars, frozenset(tags)).line()
+        line = M.note_line(self.pending, self.chars, tags)
         self.pending = []
         return line
 
