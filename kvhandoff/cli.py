@@ -755,10 +755,10 @@ def add_up_command(sub) -> None:
                    help="routers sharing the front port (SO_REUSEPORT: the kernel spreads connections over them); "
                         "with more than one, each has a port of its own too, a dead one is restarted while the "
                         "others serve, and they find conversations through the decode workers (default: %(default)s)")
-    p.add_argument("--router-cores", choices=["any", "prefill"], default="any",
-                   help="where the router runs when the workers are pinned to cores: any (the kernel places it) or "
-                        "prefill (on the prefill workers' cores, away from the decode steps whose tokens it relays) "
-                        "(default: %(default)s)")
+    p.add_argument("--router-cores", choices=["any", "prefill"], default="prefill",
+                   help="where the router runs when the workers are pinned to cores: prefill (on the prefill workers' "
+                        "cores, away from the decode steps whose tokens it relays) or any (the kernel places it, "
+                        "which was often beside the decode worker) (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for every /health (default: %(default)s)")
     p.add_argument("--retry-colocated", action="store_true",

@@ -1076,12 +1076,13 @@ def test_the_router_imports_only_the_wire_contract():
     assert heavy == "[]", heavy
 
 
-def test_up_puts_the_router_on_the_prefill_cores_when_asked():
-    """`kvhandoff up --router-cores prefill`: the router shares the prefill workers' cores, never the decode
-    worker's (whose steps its relay of each token would take from); `any` (and unpinned workers) leave it
-    to the kernel."""
+def test_up_puts_the_router_on_the_prefill_cores_unless_told_otherwise():
+    """`kvhandoff up` (--router-cores prefill): the router shares the prefill workers' cores, never the
+    decode worker's (whose steps its relay of each token would take from); `any` (and unpinned workers)
+    leave it to the kernel."""
     from kvhandoff.launch.supervisor import LaunchConfig, plan
     by_name = lambda **kw: {c.name: c.cores for c in plan(LaunchConfig(mode="pull", worker_args=[], port=8000, **kw))}
-    assert by_name(cores=[0, 1], router_cores="prefill") == {"prefill-0": [0], "decode-0": [1], "router": [0]}
-    assert by_name(cores=[0, 1])["router"] is None
-    assert by_name(cores=[0], router_cores="prefill") == {"prefill-0": None, "decode-0": None, "router": None}
+    assert by_name(cores=[0, 1]) == {"prefill-0": [0], "decode-0": [1], "router": [0]}
+    assert by_name(cores=[0, 1], num_routers=2) == {"prefill-0": [0], "decode-0": [1], "router-0": [0], "router-1": [0]}
+    assert by_name(cores=[0, 1], router_cores="any")["router"] is None
+    assert by_name(cores=[0]) == {"prefill-0": None, "decode-0": None, "router": None}

@@ -177,8 +177,9 @@ async def run(bench: disagg.Bench, budget_s: float, started: float, link: str) -
                              "cores": sorted(os.sched_getaffinity(0)), "budget_s": budget_s,
                              "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                              "pinning": "colocated-1core: core 0, colocated-core1: core 1, 1 thread each; "
-                                        "disaggregated: prefill core 0, decode core 1, 1 thread each; "
-                                        "routers unpinned"}}
+                                        "disaggregated: prefill core 0, decode core 1, 1 thread each, "
+                                        "routers on the prefill core; this client off the core whose engine "
+                                        "makes the tokens"}}
     async with open_session() as client:
         try:
             one_core = bench.stack(disagg.BASELINE_1CORE, COLOCATED, "0")
@@ -226,7 +227,7 @@ async def run(bench: disagg.Bench, budget_s: float, started: float, link: str) -
 def isolated_part(model: str, out: Path, budget_s: float, started: float, link: str) -> Calibration:
     """Run the calibration and the isolated part into `out`; the calibration sizes what follows."""
     args = argparse.Namespace(model=model, modes=MODES, links=[disagg.FREE], lengths=[], repeats=0, output_tokens=0,
-                              seed=0, worker_args=[], out=out)
+                              seed=0, worker_args=[], free_placement=False, out=out)
     bench = disagg.Bench(args)
     stop_on_signal(lambda: list(bench.stacks.values()))
     report = asyncio.run(run(bench, budget_s, started, link))

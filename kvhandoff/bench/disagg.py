@@ -12,8 +12,9 @@ isolated  one request at a time, --lengths prompts, --output-tokens tokens each 
           ONE core (`--cores 0`, 1 thread) against every disaggregated mode (prefill on core 0, decode on
           core 1, 1 thread each); TTFT against colocated on core 0 (the prefills' core), the decode step
           against colocated on core 1 too (the decode workers' core): on a 2-core VM one core ran the same
-          engine's 2,048-token decode step 1.0-1.5x slower than the other, for minutes at a time. All
-          stacks run at once and are measured in rotation, round after round (A B C .., B C .. A, ...)
+          engine's 2,048-token decode step 1.0-1.5x slower than the other, for minutes at a time. The
+          routers run on the prefill core (`kvhandoff up`'s default), and this client waits for each
+          answer off the core whose engine makes its tokens (client_cores). All stacks run at once and are measured in rotation, round after round (A B C .., B C .. A, ...)
           so drift hits every stack alike; each round sends every stack the same fresh prompt (distinct
           per round: no prefix-cache hit), so outputs are compared across stacks.
           Medians of --repeats rounds; ratios are medians of per-round ratios to colocated.
@@ -97,9 +98,11 @@ class Bench:
     model: str = ""
     words_per_token: float = 1.0
     stacks: dict[str, Stack] = field(default_factory=dict)
+    cores: frozenset[int] = field(default_factory=lambda: frozenset(os.sched_getaffinity(0)))   # ours at start
 
     def stack(self, name: str, mode: str, cores: str, *extra: str) -> Stack:
-        args = ["--model", self.args.model, *self.args.worker_args, *extra]
+        free = mode != COLOCATED and self.args.free_placement
+        args = ["--model", self.args.model, *self.args.worker_args, *extra, *(["--router-cores", "any"] if free else [])]
         stack = Stack(name, mode, cores, args, self.args.out / "logs" / f"{name}.log")
         self.stacks[name] = stack
         return stack
@@ -120,6 +123,19 @@ def start_stacks(stacks: list[Stack]) -> None:
     except BaseException:
         stop_all(stacks)
         raise
+
+
+def client_cores(bench: Bench, stack: Stack) -> frozenset[int]:
+    """Where this client waits for one stack's isolated answer: off the core of the engine that makes
+    its tokens (a colocated worker's cores, a disaggregated stack's decode core, the last of its
+    cores), as a client on another machine would be. Left free, the kernel often woke it on the
+    decode worker's core for the tokens it reads, as it did the router (launch/supervisor.py:
+    `router_cores`), and the decode step measured the client."""
+    if bench.args.free_placement:
+        return bench.cores
+    cores = [int(core) for core in stack.cores.split(",")]
+    engine = set(cores) if stack.mode == COLOCATED else {cores[-1]}
+    return frozenset(bench.cores - engine) or bench.cores
 
 
 async def measure(client: aiohttp.ClientSession, stack: Stack, body: dict) -> tuple[RequestResult, float, float | None]:
@@ -156,6 +172,14 @@ async def run_isolated(bench: Bench, client: aiohttp.ClientSession) -> list[Samp
             result = await stream_completion(client, stack.url, body)
             if not result.ok:
                 raise RuntimeError(f"warm-up on {stack.name} failed: {result.error}")
+    try:
+        return await isolated_rounds(bench, client, stacks)
+    finally:
+        os.sched_setaffinity(0, bench.cores)
+
+
+async def isolated_rounds(bench: Bench, client: aiohttp.ClientSession, stacks: list[Stack]) -> list[Sample]:
+    args = bench.args
     samples = []
     total = args.repeats * len(args.lengths) * len(stacks)
     for rnd in range(args.repeats):
@@ -164,6 +188,7 @@ async def run_isolated(bench: Bench, client: aiohttp.ClientSession) -> list[Samp
             body = completion_body(bench.model, prompt, args.output_tokens)
             order = stacks[rnd % len(stacks):] + stacks[:rnd % len(stacks)]    # rotate who goes first
             for stack in order:
+                os.sched_setaffinity(0, client_cores(bench, stack))
                 result, loadavg, wait = await measure(client, stack, body)
                 samples.append(Sample(stack.name, rnd, length, result, loadavg, wait))
                 log(f"[{len(samples)}/{total}] round {rnd} {length:>5} tok {stack.name:<24} "
@@ -569,6 +594,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-loaded", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-disagg"))
+    p.add_argument("--free-placement", action="store_true",
+                   help="leave the routers and this client where the kernel puts them (an A/B of the default: "
+                        "routers on the prefill core, the client off the core whose engine makes the tokens)")
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--kv-backend=tcp (repeatable)")
     args = p.parse_args(argv)
@@ -594,11 +622,13 @@ async def amain(bench: Bench) -> dict:
     args = bench.args
     report = {"meta": {"model": args.model, "modes": args.modes, "output_tokens": args.output_tokens,
                        "lengths": args.lengths, "repeats": args.repeats, "seed": args.seed, "links": args.links,
-                       "worker_args": args.worker_args, "git_commit": git_commit(), "cpu": cpu_model(),
+                       "worker_args": args.worker_args, "free_placement": args.free_placement,
+                       "git_commit": git_commit(), "cpu": cpu_model(),
                        "cores": sorted(os.sched_getaffinity(0)), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "pinning": "colocated-1core: core 0, 1 thread; colocated-core1: core 1, 1 thread; "
                                   "colocated-2core: cores 0-1, 2 threads; disaggregated: prefill core 0, decode "
-                                  "core 1, 1 thread each; routers unpinned"}}
+                                  "core 1, 1 thread each, routers on the prefill core; this client, in isolated "
+                                  "rounds, off the core whose engine makes the tokens"}}
     args.out.mkdir(parents=True, exist_ok=True)
     disagg = [bench.stack(m, m, "0,1") for m in args.modes]
     linked = [bench.stack(f"{m}@{link}", m, "0,1", "--link", link)

@@ -268,7 +268,7 @@ async def amain(args, registry: list[Stack]) -> dict:
                        "a_a": args.a_a, "launches": args.launches,
                        "git_commit": git_commit(), "cpu": cpu_model(),
                        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                       "pinning": "prefill core 0, decode core 1, 1 thread each; router unpinned"},
+                       "pinning": "prefill core 0, decode core 1, 1 thread each; router on the prefill core"},
               "runs": [], "turns": [], "retention_samples": []}
     args.out.mkdir(parents=True, exist_ok=True)
     async with open_session() as client:

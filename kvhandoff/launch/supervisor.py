@@ -24,6 +24,8 @@ workers on 2 cores, prefill on core 0 and decode on core 1), pinned with sched_s
 `--threads` to match, so torch neither oversubscribes nor steals from the neighbour. With fewer cores
 than workers nothing is pinned and each worker gets an equal thread count instead. A colocated worker
 is pinned to all of them (`--cores 0`: colocated on one core, the baseline a 1+1 split is compared to).
+The router goes on the prefill workers' cores (`router_cores`): the kernel had woken it on the decode
+worker's core for each token it relays.
 
 KV pools: where /dev/shm gives 4 KiB pages and this process may mount filesystems, the workers keep
 their shared-memory KV pools in a huge-page tmpfs that only this stack's processes see
@@ -86,11 +88,15 @@ class LaunchConfig:
     link: LinkSpec | None = None     # decode workers behind an emulated link (netlink.py)
     vllm: VllmLaunch | None = None   # the workers are vLLM servers (launch/vllm.py), not ours
     # Where the router runs when the workers are pinned: "prefill" (on the prefill workers' cores) or
-    # "any" (unpinned: the kernel places it, often beside the decode worker it relays each token of).
-    # "any" by measurement (issue 46; tiny model, 1+1 on a 2-core Zen 4, 3 alternated runs): "prefill"
-    # cost push TTFT 2.4 ms at 512 tokens (+4.1 against +1.8 over colocated) and left the decode
-    # worker's own step at 2,048 tokens where it was (1.17-1.21x colocated's against 1.21-1.24x).
-    router_cores: str = "any"
+    # "any" (unpinned: the kernel places it). Left to the kernel it ran beside the decode worker whose
+    # tokens it relays: each token's write from the decode worker wakes it on the writer's core. Tiny
+    # model, 1+1 on a 2-core AVX2 EPYC, the decode worker's own step at 2,048 tokens against colocated
+    # on the same core, every step timed in the workers (issue 46): "any" 1.12x (pull) and 1.20x
+    # (push-layerwise), "prefill" 1.02x and 0.98x. What the handoff adds to TTFT beyond the prefill's
+    # own compute moved within noise (24 alternated rounds: pull +2.3/+2.2 ms at 2,048 tokens, push
+    # +1.8/+1.6 at 512, push-layerwise +1.7/+1.8 at 512; "any"/"prefill"). (A 2-core Zen 4 had
+    # measured "prefill" 2.4 ms worse for push at 512 tokens, with the step judged across the cores.)
+    router_cores: str = "prefill"
 
     def __post_init__(self):
         assert self.mode in STACK_MODES, f"mode must be one of {STACK_MODES}"
