@@ -292,14 +292,18 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
     return out
 
 
+def fast_prefill(rows: dict) -> bool:
+    """Is TTFT judged by what the handoff adds in ms (GOAL_TTFT_DELTA_MS), or else as a ratio?"""
+    return ((rows.get(BASELINE_1CORE) or {}).get("ttft_ms") or float("inf")) < FAST_PREFILL_MS
+
+
 def isolated_goals(summary: dict) -> list[dict]:
     goals = []
     for length, rows in summary.items():
         def add(goal, value, target, met, spread=None, spread_kind="quartiles"):
             goals.append({"length": int(length), "goal": goal, "value": value, "target": target, "met": met,
                           "spread": spread, "spread_kind": spread_kind})
-        colocated = rows.get(BASELINE_1CORE) or {}
-        fast = (colocated.get("ttft_ms") or float("inf")) < FAST_PREFILL_MS
+        fast = fast_prefill(rows)
         # (Issue 4's goal that handoff_wait + transfer stay under 5% of push-layerwise's TTFT is gone with
         # issue 24: the first token no longer waits for the transfer in any mode; it shows in `2nd tok`.
         # So is pull's "TTFT - colocated within its transfer": no transfer is on its first token's path.)
@@ -510,7 +514,7 @@ def compute_explained(summary: dict) -> list[str]:
     """'<mode> at <n> tok (+X ms less compute)' where TTFT - colocated misses GOAL_TTFT_DELTA_MS but the
     same difference less each side's prefill queue and compute meets it."""
     return [f"{name} at {length} tok (+{row['overhead_delta_ms']:.2f} ms less compute)"
-            for length, rows in summary.items() for name in DISAGG_MODES
+            for length, rows in summary.items() if fast_prefill(rows) for name in DISAGG_MODES
             if (row := rows.get(name)) and row.get("ttft_delta_ms") is not None
             and row.get("overhead_delta_ms") is not None
             and row["ttft_delta_ms"] > GOAL_TTFT_DELTA_MS >= row["overhead_delta_ms"]]
