@@ -231,6 +231,25 @@ DEMO_TWO_TURNS = ("import sys; from kvhandoff.bench import demo; demo.TURNS, dem
                   "from kvhandoff.cli import main; sys.exit(main())")
 
 
+def test_the_demo_starts_only_the_stacks_that_fit_in_memory(monkeypatch):
+    """SmolLM2 in fp32 on a 24 GiB machine: the demo's 8 stacks with 512 MiB pools were more than it had,
+    and the kernel killed workers mid-run. Its pools now hold its own requests, the slow link's stacks
+    are skipped where they do not fit (said in words), and where not even the others fit it says so."""
+    from kvhandoff.bench import demo
+    smollm2_fp32 = Calibration(startup_s=10.0, prefill_ms_per_token=5.0, step_ms=30.0, kv_bytes_per_token=46080,
+                               words_per_token=1.0, worker_bytes=1170 * 2**20)
+    assert smollm2_fp32.pool_mb() == 96               # two 1,056-token sequences, in 16 MiB steps
+    free = lambda gib: monkeypatch.setattr(demo, "mem_available_bytes", lambda: gib * 2**30)
+    free(23)                                          # 7 + 6 workers, 6 routers: 17.2 GiB
+    assert demo.fits_in_memory(smollm2_fp32, True, "auto") == (True, "auto")
+    free(14)
+    use_link, note = demo.fits_in_memory(smollm2_fp32, True, "auto")
+    assert not use_link and "skipped: its 3 stacks need about 8.0 GiB of memory more" in note, note
+    free(6)
+    with pytest.raises(SystemExit, match=r"need about 9\.2 GiB of memory"):
+        demo.fits_in_memory(smollm2_fp32, True, "auto")
+
+
 def test_demo_runs_every_mode(tmp_path):
     """The README's main command, on the tiny model: sized from its calibration, every mode measured on
     isolated requests (behind the calibrated slow link too, where one can be made), then multi-turn;
@@ -242,6 +261,7 @@ def test_demo_runs_every_mode(tmp_path):
     report = json.loads((out / "isolated" / "isolated.json").read_text())
     cal, plan = report["calibration"], report["plan"]
     assert cal["prefill_ms_per_token"] > 0 and cal["step_ms"] > 0 and cal["kv_bytes_per_token"] > 0
+    assert cal["worker_bytes"] > 50 * 2**20 and plan["kv_cache_mb"] == 16       # (tiny's KV: the smallest pool)
     try:
         check_available()
         rate = Calibration(**cal).link_rate()

@@ -4,8 +4,11 @@ the CLI starts with the sizes planned here.
 
 calibrate  colocated on one core, started alone: how long a stack takes to start, words per token of
            the prompt text, a 256-token prompt twice (the second gives the prefill's ms per token and
-           the decode step's ms) and the KV bytes per token from /health (block_bytes / block_size).
-plan       the largest sizes whose estimated time fits --minutes: the isolated part's prompt length,
+           the decode step's ms), the KV bytes per token from /health (block_bytes / block_size) and
+           the worker's memory besides its pool (RssAnon less the pool).
+plan       the stacks that fit in the memory free (the slow link's are skipped if they do not), their
+           KV pools sized to the demo's requests, and the largest sizes whose estimated time fits
+           --minutes: the isolated part's prompt length,
            output tokens and rounds, then (after it ran, from the time left) the multi-turn part's new
            and answer tokens. The slow link's rate makes moving a prompt's KV take LINK_SHARE of its
            prefill: the regime where the order of the handoff matters (pull and push wait for all of
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import io
 import json
+import math
 import os
 import random
 import time
@@ -36,7 +40,7 @@ from kvhandoff.bench import disagg
 from kvhandoff.bench.client import completion_body, get_json, open_session, stream_completion
 from kvhandoff.bench.meta import cpu_model, git_commit, log
 from kvhandoff.bench.plots import stacked_phases
-from kvhandoff.bench.stack import Stack, stop_all, stop_on_signal
+from kvhandoff.bench.stack import Stack, process_role, rss_kib, stop_all, stop_on_signal
 from kvhandoff.launch.netlink import LinkError, check_available
 from kvhandoff.wire.modes import COLOCATED, Mode
 
@@ -50,6 +54,12 @@ ISOLATED_SIZES = [(1024, 32, 5), (1024, 32, 3), (512, 32, 3), (256, 16, 3), (128
 MULTITURN_SIZES = [(300, 32), (200, 32), (128, 24), (64, 16), (32, 8)]
 CONVERSATIONS, TURNS, THINK_S = 2, 4, 1.0
 MULTITURN_SHARE = 0.3         # of the budget kept for the multi-turn part when sizing the isolated one
+# Memory: the measured stacks' KV pools hold POOL_SEQUENCES of the longest request (not the default
+# 512 MiB: 8 stacks of SmolLM2 in fp32, 14 workers, had 23.8 GiB resident with it and the kernel killed
+# workers on a 24 GiB machine); a stack that does not fit in what the machine has free is not started.
+POOL_SEQUENCES = 2
+ROUTER_BYTES = 200 * 2**20        # a router's resident set, with room (~100 MiB measured)
+MEMORY_HEADROOM = 0.85            # of MemAvailable, for what the estimate misses
 # What the estimates below leave out (HTTP, the client, warm caches, tokenizing): on a Zen 5 the plan
 # estimated 184 s for a demo that took 218 s; every estimate is taken this much larger.
 ESTIMATE_MARGIN = 1.2
@@ -62,6 +72,15 @@ class Calibration:
     step_ms: float
     kv_bytes_per_token: float
     words_per_token: float
+    worker_bytes: int = 0             # a worker's resident memory besides its KV pool
+
+    def pool_mb(self) -> int:
+        """`--kv-cache-mb` for the measured stacks: POOL_SEQUENCES of the longest isolated request."""
+        prompt, output, _ = ISOLATED_SIZES[0]
+        return max(16, math.ceil(self.kv_bytes_per_token * (prompt + output) * POOL_SEQUENCES / 2**20 / 16) * 16)
+
+    def stacks_bytes(self, workers: int, routers: int) -> int:
+        return workers * (self.worker_bytes + self.pool_mb() * 2**20) + routers * ROUTER_BYTES
 
     def request_s(self, prompt: int, output: int, transfer_share: float = 0.0) -> float:
         """Estimated seconds of one isolated request; `transfer_share`: a transfer that waits after the
@@ -123,6 +142,30 @@ def wanted_link(link: str) -> tuple[bool, str]:
     return True, link
 
 
+def fits_in_memory(cal: Calibration, use_link: bool, link_note: str) -> tuple[bool, str]:
+    """(use the slow link, why not): the measured stacks that fit in what this machine has free; a
+    SystemExit that says so where not even those over the free link do."""
+    available = mem_available_bytes() * MEMORY_HEADROOM
+    free_link = cal.stacks_bytes(1 + 2 * len(MODES), len(MODES))      # colocated-core1 and 1P/1D per mode
+    behind_link = cal.stacks_bytes(2 * len(MODES), len(MODES))
+    gib = lambda n: f"{n / 2**30:.1f} GiB"
+    if free_link > available:
+        raise SystemExit(f"kvhandoff demo: its stacks need about {gib(free_link)} of memory ({1 + 2 * len(MODES)} "
+                         f"workers of {gib(cal.worker_bytes)} with {cal.pool_mb()} MiB KV pools, and their routers); "
+                         f"{gib(available)} is free to use here")
+    if use_link and free_link + behind_link > available:
+        return False, (f"skipped: its {len(MODES)} stacks need about {gib(behind_link)} of memory more than the "
+                       f"{gib(free_link)} of the others; {gib(available)} is free to use here")
+    return use_link, link_note
+
+
+def mem_available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
 async def calibrate(bench: disagg.Bench, client: aiohttp.ClientSession, stack: Stack, startup_s: float) -> Calibration:
     await disagg.calibrate(bench, client, stack)
     probes = []
@@ -133,11 +176,15 @@ async def calibrate(bench: disagg.Bench, client: aiohttp.ClientSession, stack: S
             raise RuntimeError(f"calibration request to {stack.name} failed: {result.error or 'no timing'}")
         probes.append(result)
     health = await get_json(client, stack.url + "/health")
+    worker = next(pid for pid in stack.pids() if process_role(pid) == "worker")
+    pool_bytes = health["num_blocks"] * health["block_bytes"]       # (a colocated worker's pool is its own memory)
     cal = Calibration(startup_s=startup_s, prefill_ms_per_token=probes[-1].ttft_ms / probes[-1].prompt_tokens,
                       step_ms=probes[-1].tpot_ms, kv_bytes_per_token=health["block_bytes"] / health["block_size"],
-                      words_per_token=bench.words_per_token)
+                      words_per_token=bench.words_per_token,
+                      worker_bytes=max(0, (rss_kib(worker, "RssAnon") or 0) * 1024 - pool_bytes))
     log(f"calibrated: started in {startup_s:.1f} s, prefill {cal.prefill_ms_per_token:.2f} ms/token, decode step "
-        f"{cal.step_ms:.1f} ms, KV {cal.kv_bytes_per_token / 1024:.1f} KiB/token ({health.get('dtype')})")
+        f"{cal.step_ms:.1f} ms, KV {cal.kv_bytes_per_token / 1024:.1f} KiB/token ({health.get('dtype')}), "
+        f"{cal.worker_bytes / 2**20:.0f} MiB a worker besides its pool")
     return cal
 
 
@@ -188,9 +235,14 @@ async def run(bench: disagg.Bench, budget_s: float, started: float, link: str) -
             bench.model = one_core.model_name()
             cal = await calibrate(bench, client, one_core, time.monotonic() - t0)
             use_link, link_note = wanted_link(link)
+            use_link, link_note = fits_in_memory(cal, use_link, link_note)
+            # (colocated-1core, started for the calibration, keeps the default pool: a step reads its
+            # sequences' blocks, not the pool, so the pool's size changes no figure here)
+            args.worker_args = ["--kv-cache-mb", str(cal.pool_mb())]
             rate = (cal.link_rate() if link == "auto" else link) if use_link else None
             prompt, output, rounds = plan_isolated(cal, budget_s - (time.monotonic() - started), budget_s, use_link)
-            log(f"plan: isolated {prompt}-token prompts, {output} tokens out, {rounds} rounds; slow link "
+            log(f"plan: isolated {prompt}-token prompts, {output} tokens out, {rounds} rounds, {cal.pool_mb()} MiB "
+                f"KV pools; slow link "
                 + (f"{rate} (KV of a prompt in ~{LINK_SHARE:.0%} of its prefill)" if rate else link_note))
             args.lengths, args.output_tokens, args.repeats = [prompt], output, rounds
             # colocated again on the decode workers' core: their steps are judged against it (disagg.py)
@@ -217,7 +269,7 @@ async def run(bench: disagg.Bench, budget_s: float, started: float, link: str) -
     print(table.getvalue(), end="", flush=True)
     (args.out / "summary.txt").write_text(table.getvalue())
     report.update(calibration=asdict(cal), link=rate, link_note=None if rate else link_note,
-                  plan={"prompt_tokens": prompt, "output_tokens": output, "rounds": rounds},
+                  plan={"prompt_tokens": prompt, "output_tokens": output, "rounds": rounds, "kv_cache_mb": cal.pool_mb()},
                   isolated=summary, isolated_goals=goals, samples=[s.to_json() for s in samples])
     (args.out / "isolated.json").write_text(json.dumps(report, indent=1))
     phase_plot(summary, args.out / "isolated_phases.png")

@@ -49,24 +49,13 @@ import httpx
 
 from kvhandoff.bench.client import chat_body, completion_body, open_session, random_text, stream_completion
 from kvhandoff.bench.meta import git_commit, log
-from kvhandoff.bench.stack import Stack, stop_on_signal
+from kvhandoff.bench.stack import Stack, rss_kib, stop_on_signal
 from kvhandoff.wire.modes import NAMES, Mode
 
 KINDS = ("stream", "chat", "session", "hangup", "bad")
 WEIGHTS = (5, 2, 2, 1, 1)
 RETENTION_TTL_S = 20        # short, so retained KV expires within the drain
 NUM_PROMPTS = 48            # the streamed completions' fixed prompts (each answer checked against the first)
-
-
-def rss_kib(pid: int, field: str = "VmRSS") -> int | None:
-    """A process's resident set now (VmRSS) or its high-water mark (VmHWM), KiB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def command_lines(stack: Stack) -> dict[int, list[str]]:

@@ -128,6 +128,17 @@ def cpu_seconds(pids: list[int]) -> dict[str, float]:
     return out
 
 
+def rss_kib(pid: int, field: str = "VmRSS") -> int | None:
+    """A process's resident set now (VmRSS) or its high-water mark (VmHWM), or another field of its status (RssAnon), KiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def process_role(pid: int) -> str | None:
     """What a stack's process runs: `router`, `prefill`, `decode`, `worker` (colocated), `up` (the
     supervisor) or `other`; None if it is gone."""
