@@ -90,7 +90,7 @@ def test_a_ttft_missed_by_the_prefills_own_compute_says_so():
     """The handoff's TTFT cost less each side's own prefill queue and compute: a miss that is the
     prefill's own longer compute is told apart from one the handoff's path adds."""
     from kvhandoff.bench.client import RequestResult as Result
-    from kvhandoff.bench.disagg import Sample, compute_explained, overhead_ms, summarize_isolated
+    from kvhandoff.bench.disagg import Sample, compute_explained, isolated_goals, overhead_ms, summarize_isolated
     colocated = Result(ttft_ms=80.0, timings={"queue_ms": 0.5, "prefill_ms": 77.0})
     computed_longer = Result(ttft_ms=86.0, handoff={"phases_ms": {"prefill_queue": 0.4, "prefill_compute": 82.0}})
     path_longer = Result(ttft_ms=86.0, handoff={"phases_ms": {"prefill_queue": 0.4, "prefill_compute": 77.5}})
@@ -102,6 +102,18 @@ def test_a_ttft_missed_by_the_prefills_own_compute_says_so():
     assert summary["2048"]["push"]["overhead_delta_ms"] == pytest.approx(1.1)
     assert summary["2048"]["pull"]["overhead_delta_ms"] == pytest.approx(5.6)
     assert compute_explained(summary) == ["push at 2048 tok (+1.10 ms less compute)"]
+    # A slow prefill (the demo's SmolLM2 on a CPU) is judged as a ratio: 2% of an 800 ms TTFT allows 16 ms
+    # of path, however much the prompt's own compute moved from round to round.
+    slow = [Sample("colocated-1core", i, 256, Result(ttft_ms=800.0, timings={"queue_ms": 0.5, "prefill_ms": 790.0}), 0.0)
+            for i in range(3)]
+    slow += [Sample("pull", i, 256, Result(ttft_ms=ms, handoff={"phases_ms": {"prefill_queue": 0.5, "prefill_compute": ms - 12}}), 0.0)
+             for i, ms in enumerate((880.0, 760.0, 900.0))]
+    slow += [Sample("push", i, 256, Result(ttft_ms=ms, handoff={"phases_ms": {"prefill_queue": 0.5, "prefill_compute": ms - 30}}), 0.0)
+             for i, ms in enumerate((880.0, 760.0, 900.0))]
+    summary = summarize_isolated(slow, ["colocated-1core", "pull", "push"], [256])
+    assert compute_explained(summary) == ["pull at 256 tok (+2.00 ms less compute)"]       # push: +20.0 ms
+    (pull,) = [g for g in isolated_goals(summary) if g["goal"] == "pull TTFT / colocated-1core TTFT"]
+    assert pull["spread"] == pytest.approx((0.95, 1.125)) and verdict(pull).endswith("(per-round range 0.950-1.125)")
 
 
 def test_bench_a_running_server_by_url(tiny_server, tmp_path):
