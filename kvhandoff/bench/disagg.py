@@ -3,7 +3,7 @@
     python -m kvhandoff.bench.disagg [--model smollm2] [--modes pull,pull-reader,push,push-layerwise]
         [--lengths 1024,2048] [--output-tokens 128] [--repeats 5]
         [--loaded-requests 32] [--load 0.7] [--loaded-min 256] [--loaded-max 2048]
-        [--links free,1gbit,200mbit] [--skip-isolated] [--skip-loaded] [--out DIR]
+        [--links free,1gbit,200mbit] [--skip-isolated] [--skip-loaded] [--free-placement] [--out DIR]
 
 Two experiments, each over real stacks started with `kvhandoff up` and measured over HTTP only (TTFT as
 the client sees it; the server's `handoff.phases_ms` explain it):
@@ -14,9 +14,11 @@ isolated  one request at a time, --lengths prompts, --output-tokens tokens each 
           against colocated on core 1 too (the decode workers' core): on a 2-core VM one core ran the same
           engine's 2,048-token decode step 1.0-1.5x slower than the other, for minutes at a time. The
           routers run on the prefill core (`kvhandoff up`'s default), and this client waits for each
-          answer off the core whose engine makes its tokens (client_cores). All stacks run at once and are measured in rotation, round after round (A B C .., B C .. A, ...)
-          so drift hits every stack alike; each round sends every stack the same fresh prompt (distinct
-          per round: no prefix-cache hit), so outputs are compared across stacks.
+          answer off the core whose engine makes its tokens (client_cores; --free-placement leaves
+          both to the kernel). All stacks run at once and are measured in rotation, round after round
+          (A B C .., B C .. A, ...) so drift hits every stack alike; each round sends every stack the
+          same fresh prompt (distinct per round: no prefix-cache hit), so outputs are compared across
+          stacks.
           Medians of --repeats rounds; ratios are medians of per-round ratios to colocated.
           --links: every mode also behind each emulated link named (`kvhandoff up --link`, root needed;
           stacks MODE@LINK), measured in the same rotation: what each order of handoff pays when moving
