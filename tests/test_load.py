@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import httpx
+
+from kvhandoff.bench.stack import rss_kib
 from test_router import (
     child_pids,
     router_idle,
@@ -44,11 +45,6 @@ async def wave(url: str) -> list[tuple[int, int, bool]]:
     limits = httpx.Limits(max_connections=CONCURRENCY + 10)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
         return await asyncio.gather(*(one(client, url, i) for i in range(CONCURRENCY)))
-
-
-def rss_kib(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
 
 
 def test_two_waves_of_200_streams(tmp_path):

@@ -146,11 +146,12 @@ def fits_in_memory(cal: Calibration, use_link: bool, link_note: str) -> tuple[bo
     """(use the slow link, why not): the measured stacks that fit in what this machine has free; a
     SystemExit that says so where not even those over the free link do."""
     available = mem_available_bytes() * MEMORY_HEADROOM
-    free_link = cal.stacks_bytes(1 + 2 * len(MODES), len(MODES))      # colocated-core1 and 1P/1D per mode
+    workers = 1 + 2 * len(MODES)                                         # colocated-core1 and 1P/1D per mode
+    free_link = cal.stacks_bytes(workers, len(MODES))
     behind_link = cal.stacks_bytes(2 * len(MODES), len(MODES))
     gib = lambda n: f"{n / 2**30:.1f} GiB"
     if free_link > available:
-        raise SystemExit(f"kvhandoff demo: its stacks need about {gib(free_link)} of memory ({1 + 2 * len(MODES)} "
+        raise SystemExit(f"kvhandoff demo: its stacks need about {gib(free_link)} of memory ({workers} "
                          f"workers of {gib(cal.worker_bytes)} with {cal.pool_mb()} MiB KV pools, and their routers); "
                          f"{gib(available)} is free to use here")
     if use_link and free_link + behind_link > available:

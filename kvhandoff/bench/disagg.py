@@ -294,9 +294,27 @@ def summarize_isolated(samples: list[Sample], names: list[str], lengths: list[in
     return out
 
 
-def fast_prefill(rows: dict) -> bool:
-    """Is TTFT judged by what the handoff adds in ms (GOAL_TTFT_DELTA_MS), or else as a ratio?"""
-    return ((rows.get(BASELINE_1CORE) or {}).get("ttft_ms") or float("inf")) < FAST_PREFILL_MS
+@dataclass
+class TTFTGoal:
+    goal: str
+    value: float
+    target: float
+    per_round: tuple | None       # (low, high, kind)
+    path_allowed_ms: float        # what the goal allows the handoff's path (the TTFT less each side's prefill)
+
+
+def ttft_goal(rows: dict, name: str) -> TTFTGoal | None:
+    """A mode's TTFT goal at one length: what the handoff adds in ms (GOAL_TTFT_DELTA_MS) where the
+    prefill is fast (colocated-1core's TTFT under FAST_PREFILL_MS), else a ratio (GOAL_SLOW_TTFT_X);
+    None without the figures."""
+    row, colocated_ms = rows.get(name) or {}, (rows.get(BASELINE_1CORE) or {}).get("ttft_ms")
+    if row.get("ttft_delta_ms") is not None and (colocated_ms or float("inf")) < FAST_PREFILL_MS:
+        return TTFTGoal(f"{name} TTFT - colocated-1core TTFT (ms)", row["ttft_delta_ms"], GOAL_TTFT_DELTA_MS,
+                        row.get("ttft_delta_spread"), GOAL_TTFT_DELTA_MS)
+    if row.get("ttft_x_colocated") is not None:
+        return TTFTGoal(f"{name} TTFT / colocated-1core TTFT", row["ttft_x_colocated"], GOAL_SLOW_TTFT_X,
+                        row.get("ttft_x_spread"), (GOAL_SLOW_TTFT_X - 1) * (colocated_ms or 0.0))
+    return None
 
 
 def isolated_goals(summary: dict) -> list[dict]:
@@ -307,18 +325,13 @@ def isolated_goals(summary: dict) -> list[dict]:
             goals.append({"length": int(length), "goal": goal, "value": value, "target": target, "met": met,
                           "spread": tuple(per_round[:2]) if per_round else None,
                           "spread_kind": per_round[2] if per_round else None})
-        fast = fast_prefill(rows)
         # (Issue 4's goal that handoff_wait + transfer stay under 5% of push-layerwise's TTFT is gone with
         # issue 24: the first token no longer waits for the transfer in any mode; it shows in `2nd tok`.
         # So is pull's "TTFT - colocated within its transfer": no transfer is on its first token's path.)
         for name in DISAGG_MODES:
             row = rows.get(name)
-            if row and row["ttft_delta_ms"] is not None and fast:
-                add(f"{name} TTFT - colocated-1core TTFT (ms)", row["ttft_delta_ms"], GOAL_TTFT_DELTA_MS,
-                    row["ttft_delta_ms"] <= GOAL_TTFT_DELTA_MS, row.get("ttft_delta_spread"))
-            elif row and row["ttft_x_colocated"] is not None:
-                add(f"{name} TTFT / colocated-1core TTFT", row["ttft_x_colocated"], GOAL_SLOW_TTFT_X,
-                    row["ttft_x_colocated"] <= GOAL_SLOW_TTFT_X, row.get("ttft_x_spread"))
+            if ttft := ttft_goal(rows, name):
+                add(ttft.goal, ttft.value, ttft.target, ttft.value <= ttft.target, ttft.per_round)
             if row and row["ttft_accounted"] is not None:
                 add(f"{name} TTFT phases / client TTFT", row["ttft_accounted"], GOAL_ACCOUNTED,
                     abs(1 - row["ttft_accounted"]) <= 1 - GOAL_ACCOUNTED)
@@ -520,18 +533,10 @@ def compute_explained(summary: dict) -> list[str]:
     """'<mode> at <n> tok (+X ms less compute)' where TTFT misses its goal (GOAL_TTFT_DELTA_MS over
     colocated-1core's, or with a slow prefill GOAL_SLOW_TTFT_X of it) but what the handoff adds less each
     side's prefill queue and compute stays within what the goal allows."""
-    explained = []
-    for length, rows in summary.items():
-        colocated_ms = (rows.get(BASELINE_1CORE) or {}).get("ttft_ms")
-        fast = fast_prefill(rows)
-        allowed_ms = GOAL_TTFT_DELTA_MS if fast else (GOAL_SLOW_TTFT_X - 1) * (colocated_ms or 0.0)
-        for name in DISAGG_MODES:
-            row = rows.get(name) or {}
-            missed = (row.get("ttft_delta_ms") is not None and row["ttft_delta_ms"] > GOAL_TTFT_DELTA_MS) if fast \
-                else (row.get("ttft_x_colocated") is not None and row["ttft_x_colocated"] > GOAL_SLOW_TTFT_X)
-            if missed and row.get("overhead_delta_ms") is not None and row["overhead_delta_ms"] <= allowed_ms:
-                explained.append(f"{name} at {length} tok (+{row['overhead_delta_ms']:.2f} ms less compute)")
-    return explained
+    return [f"{name} at {length} tok (+{path_ms:.2f} ms less compute)"
+            for length, rows in summary.items() for name in DISAGG_MODES
+            if (ttft := ttft_goal(rows, name)) and ttft.value > ttft.target
+            and (path_ms := rows[name].get("overhead_delta_ms")) is not None and path_ms <= ttft.path_allowed_ms]
 
 
 def relay_explained(summary: dict) -> list[str]:
